@@ -1,0 +1,26 @@
+# Every target sets up .venv from nothing: torch's CPU wheel first (so no dependency can pull a
+# CUDA build), then zerolap with its dev extras.
+VENV   ?= .venv
+PYTHON ?= python3
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint bench
+
+$(STAMP): pyproject.toml
+	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VENV)/bin/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/zerolap demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check zerolap tests benchmarks examples
+	$(VENV)/bin/ruff check zerolap tests benchmarks examples
+
+bench: $(STAMP)
+	$(VENV)/bin/zerolap bench

@@ -1,0 +1,259 @@
+"""The collective and point-to-point ops of ``deepspeed.comm``, on ``torch.distributed``.
+
+Each op follows the same four steps: check the arguments (nothing has moved yet), open a comms
+log record when logging is on, launch the backend op asynchronously, and wrap its work in a
+``Handle``. A synchronous call is the asynchronous one followed by ``wait()``, so both paths are
+timed, finalised and reported on failure alike.
+
+Two behaviours differ from plain torch on purpose:
+* ``avg`` works on gloo (a sum, divided by the group size on completion);
+* ``reduce`` leaves non-destination tensors unchanged (gloo writes partial sums into them), by
+  reducing from a scratch copy on those ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as torch_dist
+
+from zerolap.comm.checks import (
+    GroupInfo,
+    check_group,
+    check_peer,
+    check_same_dtype,
+    check_sizes,
+    check_tensor,
+    check_tensor_list,
+)
+from zerolap.comm.handle import Handle
+from zerolap.comm.logger import COMMS_LOGGER
+from zerolap.comm.reduce_ops import (
+    ReduceOp,
+    check_avg_dtype,
+    native_op,
+    needs_division,
+    parse_reduce_op,
+)
+from zerolap.comm.volume import ring_wire_bytes
+
+__all__ = [
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_reduce",
+    "broadcast",
+    "irecv",
+    "isend",
+    "recv",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "send",
+]
+
+Group = torch_dist.ProcessGroup | None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _launch(
+    op: str,
+    info: GroupInfo,
+    message: torch.Tensor,
+    start: Callable[[], torch_dist.Work],
+    async_op: bool,
+    *,
+    message_bytes: int | None = None,
+    root: int | None = None,
+    value: object = None,
+    finalize: Callable[[], None] | None = None,
+) -> Handle | object:
+    record = None
+    if COMMS_LOGGER.enabled:
+        size = _nbytes(message) if message_bytes is None else message_bytes
+        wire = ring_wire_bytes(op, size, info.size, group_rank=info.rank, root=root)
+        record = COMMS_LOGGER.start(op, size, wire, info.size, message.device)
+    handle = Handle(
+        start(), lambda: info.describe(op), value=value, finalize=finalize, record=record
+    )
+    if async_op:
+        return handle
+    handle.wait()
+    return value
+
+
+def _divider(tensor: torch.Tensor, op, info: GroupInfo) -> Callable[[], None] | None:
+    if needs_division(op, info.backend):
+        return lambda: tensor.div_(info.size)
+    return None
+
+
+def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Group = None, async_op=False):
+    info = check_group("all_reduce", group)
+    check_tensor("all_reduce", "tensor", tensor, info)
+    op = parse_reduce_op(op)
+    check_avg_dtype(op, tensor, "tensor")
+    native = native_op(op, info.backend)
+    return _launch(
+        "all_reduce",
+        info,
+        tensor,
+        lambda: torch_dist.all_reduce(tensor, native, group=group, async_op=True),
+        async_op,
+        finalize=_divider(tensor, op, info),
+    )
+
+
+def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op=False):
+    info = check_group("broadcast", group)
+    check_tensor("broadcast", "tensor", tensor, info)
+    check_peer("broadcast", "src", src, info)
+    return _launch(
+        "broadcast",
+        info,
+        tensor,
+        lambda: torch_dist.broadcast(tensor, src, group=group, async_op=True),
+        async_op,
+        root=info.ranks.index(src),
+    )
+
+
+def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Group = None, async_op=False):
+    """Reduce onto ``dst``; every other rank's ``tensor`` is left as it was."""
+    info = check_group("reduce", group)
+    check_tensor("reduce", "tensor", tensor, info)
+    check_peer("reduce", "dst", dst, info)
+    op = parse_reduce_op(op)
+    check_avg_dtype(op, tensor, "tensor")
+    is_dst = torch_dist.get_rank() == dst
+    # NCCL writes only the root's buffer; gloo scribbles partial sums on the others.
+    target = tensor if is_dst or info.backend == "nccl" else tensor.clone()
+    native = native_op(op, info.backend)
+    return _launch(
+        "reduce",
+        info,
+        tensor,
+        lambda: torch_dist.reduce(target, dst, native, group=group, async_op=True),
+        async_op,
+        root=info.ranks.index(dst),
+        finalize=_divider(tensor, op, info) if is_dst else None,
+    )
+
+
+def all_gather(tensor_list, tensor: torch.Tensor | None = None, group: Group = None,
+               async_op=False):
+    """``all_gather(tensor_list, tensor)`` fills ``tensor_list`` as torch does;
+    ``all_gather(tensor)`` returns a new list of every rank's tensor (or, async, a handle whose
+    ``value`` is that list)."""
+    info = check_group("all_gather", group)
+    if tensor is None:
+        if not isinstance(tensor_list, torch.Tensor):
+            raise TypeError("all_gather: pass (tensor_list, tensor) or a single tensor")
+        tensor = check_tensor("all_gather", "tensor", tensor_list, info)
+        tensor_list = [torch.empty_like(tensor) for _ in range(info.size)]
+    else:
+        check_tensor("all_gather", "tensor", tensor, info)
+        check_tensor_list("all_gather", "tensor_list", tensor_list, tensor, info)
+    return _launch(
+        "all_gather",
+        info,
+        tensor,
+        lambda: torch_dist.all_gather(tensor_list, tensor, group=group, async_op=True),
+        async_op,
+        message_bytes=_nbytes(tensor) * info.size,
+        value=tensor_list,
+    )
+
+
+def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                           group: Group = None, async_op=False):
+    """Every rank's ``input_tensor`` concatenated, in group-rank order, into ``output_tensor``."""
+    op = "all_gather_into_tensor"
+    info = check_group(op, group)
+    check_tensor(op, "output_tensor", output_tensor, info)
+    check_tensor(op, "input_tensor", input_tensor, info)
+    check_same_dtype(op, "output_tensor", output_tensor, "input_tensor", input_tensor)
+    check_sizes(op, "output_tensor", output_tensor.numel(), "input_tensor", input_tensor.numel(),
+                info.size, gathers=True)
+    return _launch(
+        op,
+        info,
+        output_tensor,
+        lambda: torch_dist.all_gather_single(output_tensor, input_tensor, group, async_op=True),
+        async_op,
+    )
+
+
+def reduce_scatter(output: torch.Tensor, input, op=ReduceOp.SUM, group: Group = None,
+                   async_op=False):
+    """Reduce, then keep this rank's piece. ``input`` is a list of one tensor per rank or one
+    flat tensor of world_size x ``output.numel()`` elements."""
+    if isinstance(input, torch.Tensor):
+        return reduce_scatter_tensor(output, input, op, group, async_op)
+    info = check_group("reduce_scatter", group)
+    check_tensor("reduce_scatter", "output", output, info)
+    check_tensor_list("reduce_scatter", "input", input, output, info)
+    op = parse_reduce_op(op)
+    check_avg_dtype(op, output, "output")
+    native = native_op(op, info.backend)
+    return _launch(
+        "reduce_scatter",
+        info,
+        output,
+        lambda: torch_dist.reduce_scatter(output, list(input), native, group=group, async_op=True),
+        async_op,
+        message_bytes=_nbytes(output) * info.size,
+        finalize=_divider(output, op, info),
+    )
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
+                          group: Group = None, async_op=False):
+    name = "reduce_scatter_tensor"
+    info = check_group(name, group)
+    check_tensor(name, "output", output, info)
+    check_tensor(name, "input", input, info)
+    check_same_dtype(name, "output", output, "input", input)
+    check_sizes(name, "output", output.numel(), "input", input.numel(), info.size, gathers=False)
+    op = parse_reduce_op(op)
+    check_avg_dtype(op, output, "output")
+    native = native_op(op, info.backend)
+    return _launch(
+        name,
+        info,
+        input,
+        lambda: torch_dist.reduce_scatter_single(output, input, native, group, async_op=True),
+        async_op,
+        finalize=_divider(output, op, info),
+    )
+
+
+def isend(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> Handle:
+    info = check_group("isend", group)
+    check_tensor("isend", "tensor", tensor, info)
+    check_peer("isend", "dst", dst, info, allow_self=False)
+    return _launch(  # type: ignore[return-value]
+        "isend", info, tensor, lambda: torch_dist.isend(tensor, dst, group=group, tag=tag), True
+    )
+
+
+def irecv(tensor: torch.Tensor, src: int, group: Group = None, tag: int = 0) -> Handle:
+    info = check_group("irecv", group)
+    check_tensor("irecv", "tensor", tensor, info)
+    check_peer("irecv", "src", src, info, allow_self=False)
+    return _launch(  # type: ignore[return-value]
+        "irecv", info, tensor, lambda: torch_dist.irecv(tensor, src, group=group, tag=tag), True
+    )
+
+
+def send(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> None:
+    isend(tensor, dst, group, tag).wait()
+
+
+def recv(tensor: torch.Tensor, src: int, group: Group = None, tag: int = 0) -> int:
+    """Receive into ``tensor`` from ``src``; returns ``src`` as torch's ``recv`` does."""
+    irecv(tensor, src, group, tag).wait()
+    return src

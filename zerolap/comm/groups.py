@@ -1,0 +1,156 @@
+"""Process-group lifecycle: joining the job, asking who we are, making sub-groups.
+
+zerolap drives ``torch.distributed`` (gloo on CPU, NCCL on GPU) and keeps no transport of its own.
+The one piece of state kept here is the local rank, which torch does not track.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as torch_dist
+
+from zerolap.comm.env import discover_launch_env
+
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "barrier",
+    "destroy_process_group",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_initialized",
+    "new_group",
+]
+
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+_local_rank = 0
+
+
+def _as_timedelta(timeout: timedelta | float | int) -> timedelta:
+    return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = 29500,
+    verbose: bool = True,
+    timeout: timedelta | float = DEFAULT_TIMEOUT,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: dict | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> None:
+    """Join the job described by the launcher's environment (see ``zerolap.comm.env``).
+
+    Idempotent: when ``torch.distributed`` is already initialised (by an earlier call or by the
+    user's own ``init_process_group``) that group is used as it is. With no launcher variables the
+    process forms a job of one, so single-process scripts run the same code.
+    ``auto_mpi_discovery`` and ``dist_init_required`` exist for DeepSpeed's signature; discovery
+    of Open MPI is always on and initialisation happens whenever it has not yet.
+    """
+    global _local_rank
+    if config is not None and "comms_logger" in config:
+        from zerolap.comm.logger import configure
+
+        configure(config["comms_logger"])
+    environ = dict(os.environ)
+    if not auto_mpi_discovery:
+        environ = {k: v for k, v in environ.items() if not k.startswith("OMPI_")}
+    launch = discover_launch_env(
+        environ, rank=rank, world_size=world_size, distributed_port=distributed_port
+    )
+    _local_rank = launch.local_rank
+    if torch_dist.is_initialized():
+        return
+    backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(launch.local_rank)
+    timeout = _as_timedelta(timeout)
+    if launch.world_size == 1 and init_method is None:
+        # A job of one needs no rendezvous: an in-memory store cannot hang on a port.
+        torch_dist.init_process_group(
+            backend, store=torch_dist.HashStore(), rank=0, world_size=1, timeout=timeout
+        )
+    else:
+        init_method = init_method or f"tcp://{launch.master_addr}:{launch.master_port}"
+        torch_dist.init_process_group(
+            backend,
+            init_method=init_method,
+            rank=launch.rank,
+            world_size=launch.world_size,
+            timeout=timeout,
+        )
+    if verbose and launch.rank == 0:
+        print(
+            f"zerolap.comm: {launch.world_size} rank(s) on {backend} "
+            f"(launcher: {launch.launcher}, rendezvous {launch.master_addr}:{launch.master_port})",
+            flush=True,
+        )
+
+
+def is_initialized() -> bool:
+    return torch_dist.is_initialized()
+
+
+def require_initialized(what: str) -> None:
+    if not torch_dist.is_initialized():
+        raise RuntimeError(
+            f"zerolap.comm.{what} called before the process group exists: "
+            "call zerolap.comm.init_distributed() first"
+        )
+
+
+def get_rank(group: torch_dist.ProcessGroup | None = None) -> int:
+    require_initialized("get_rank")
+    return torch_dist.get_rank(group)
+
+
+def get_world_size(group: torch_dist.ProcessGroup | None = None) -> int:
+    require_initialized("get_world_size")
+    return torch_dist.get_world_size(group)
+
+
+def get_local_rank() -> int:
+    """This process's index on its node (``LOCAL_RANK``, ``SLURM_LOCALID``, ...)."""
+    return _local_rank
+
+
+def group_ranks(group: torch_dist.ProcessGroup | None) -> list[int]:
+    """Global ranks of ``group`` in group-rank order."""
+    if group is None:
+        return list(range(torch_dist.get_world_size()))
+    return torch_dist.get_process_group_ranks(group)
+
+
+def backend_of(group: torch_dist.ProcessGroup | None) -> str:
+    return str(torch_dist.get_backend(group))
+
+
+def new_group(ranks: list[int] | None = None, **kwargs) -> torch_dist.ProcessGroup:
+    """A sub-group of ``ranks`` (global ranks); every rank of the job must call it."""
+    require_initialized("new_group")
+    world = torch_dist.get_world_size()
+    if ranks is not None:
+        bad = [r for r in ranks if not 0 <= r < world]
+        if bad:
+            raise ValueError(f"new_group: ranks {bad} are outside the job's ranks 0..{world - 1}")
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"new_group: ranks {ranks} repeat a rank")
+    return torch_dist.new_group(ranks, **kwargs)
+
+
+def barrier(group: torch_dist.ProcessGroup | None = None) -> None:
+    require_initialized("barrier")
+    torch_dist.barrier(group)
+
+
+def destroy_process_group(group: torch_dist.ProcessGroup | None = None) -> None:
+    if torch_dist.is_initialized():
+        torch_dist.destroy_process_group(group)

@@ -1,0 +1,89 @@
+"""The object an ``async_op=True`` call returns.
+
+A ``Handle`` wraps the backend's work (a torch ``Work``, or the future of a ring running on its
+worker thread). ``wait()`` blocks until the op is done, runs its completion step once (gloo's
+average divides here) and is a no-op after that; ``is_completed()`` polls without blocking.
+A failure surfaces as ``CommError`` naming the rank that waited, the op and the group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as torch_dist
+
+from zerolap.comm.logger import COMMS_LOGGER, CommRecord
+
+__all__ = ["CommError", "Handle"]
+
+
+class CommError(RuntimeError):
+    """A collective failed or timed out; the message names the waiting rank, op and group."""
+
+
+class Handle:
+    __slots__ = ("_done", "_finalize", "_record", "_work", "describe", "value")
+
+    def __init__(
+        self,
+        work: torch_dist.Work | Future,
+        describe: Callable[[], str],
+        *,
+        value: Any = None,
+        finalize: Callable[[], None] | None = None,
+        record: CommRecord | None = None,
+    ) -> None:
+        self._work = work
+        self._finalize = finalize
+        self._record = record
+        self._done = False
+        self.describe = describe  # "rank 0 ... all_reduce on ranks [0, 1] (gloo)", built lazily
+        self.value = value  # the op's output (a tensor or list), valid after wait()
+        if record is not None:
+            _close_on_completion(work, record)
+
+    def is_completed(self) -> bool:
+        if isinstance(self._work, Future):
+            return self._work.done()
+        return self._work.is_completed()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        if self._done:
+            return True
+        try:
+            if isinstance(self._work, Future):
+                self._work.result(None if timeout is None else timeout.total_seconds())
+            elif timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(timeout)
+        except Exception as err:
+            raise CommError(f"{self.describe()} failed: {err}") from err
+        self._done = True
+        if self._finalize is not None:
+            self._finalize()
+        if self._record is not None:
+            # Usually closed already by the completion callback; finish() is idempotent.
+            COMMS_LOGGER.finish(self._record)
+        return True
+
+    def get_future(self):
+        return self._work if isinstance(self._work, Future) else self._work.get_future()
+
+
+def _close_on_completion(work: torch_dist.Work | Future, record: CommRecord) -> None:
+    """Close ``record`` from the backend's thread when a CPU op completes. CUDA ops, and works
+    without a future (gloo's point-to-point), are closed in ``wait()`` instead."""
+    if record.cuda_events is not None:
+        return
+    if isinstance(work, Future):
+        work.add_done_callback(lambda _: COMMS_LOGGER.finish(record))
+        return
+    try:
+        future = work.get_future()
+    except RuntimeError:
+        return
+    future.add_done_callback(lambda _: COMMS_LOGGER.finish(record))

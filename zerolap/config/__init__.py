@@ -1,0 +1,1 @@
+"""ds_config, parsed into typed sections."""
