@@ -34,7 +34,12 @@ PG_TIMEOUT_S = 45.0
 
 
 class RankFailure(AssertionError):
-    """One or more ranks raised, exited or did not answer in time."""
+    """One or more ranks raised, exited or did not answer in time. ``answers`` maps every rank
+    that answered to ``(ok, result or traceback)``."""
+
+    def __init__(self, message: str, answers: dict[int, tuple[bool, Any]]) -> None:
+        super().__init__(message)
+        self.answers = answers
 
 
 def free_port() -> int:
@@ -115,7 +120,7 @@ def _raise_failures(fn: Callable, answers: dict, world_size: int, timeout: float
         lines.append(f"--- rank {rank} ---\n{text}")
     if silent:
         lines.append(f"ranks {silent} gave no answer within {timeout:.0f}s (deadlock or hang)")
-    raise RankFailure("\n".join(lines))
+    raise RankFailure("\n".join(lines), answers)
 
 
 class RankPool:
@@ -165,7 +170,7 @@ class RankPool:
 
 
 def _fresh_worker(rank, world_size, port, env, init, fn, args, results) -> None:
-    _setup_worker(env(rank, port) if callable(env) else env)
+    _setup_worker(env)
     if init:
         _init_group(rank, world_size, port)
     results.put(_call(rank, fn, args, {}))
@@ -189,7 +194,16 @@ def run_on_ranks(
     procs = [
         _CTX.Process(
             target=_fresh_worker,
-            args=(rank, world_size, port, env or {}, init, fn, args, results),
+            args=(
+                rank,
+                world_size,
+                port,
+                env(rank, port) if callable(env) else env or {},
+                init,
+                fn,
+                args,
+                results,
+            ),
             daemon=True,
         )
         for rank in range(world_size)

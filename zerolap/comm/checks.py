@@ -82,8 +82,9 @@ def check_same_dtype(op: str, a_name: str, a: torch.Tensor, b_name: str, b: torc
         raise TypeError(f"{op}: {a_name} is {a.dtype} but {b_name} is {b.dtype}")
 
 
-def check_sizes(op: str, out_name: str, out_numel: int, in_name: str, in_numel: int, n: int,
-                gathers: bool) -> None:
+def check_sizes(
+    op: str, out_name: str, out_numel: int, in_name: str, in_numel: int, n: int, gathers: bool
+) -> None:
     """The flat side holds exactly ``n`` times the per-rank side's elements."""
     flat, piece = (out_numel, in_numel) if gathers else (in_numel, out_numel)
     if flat != n * piece:

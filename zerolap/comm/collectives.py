@@ -143,13 +143,15 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Group = None,
     )
 
 
-def all_gather(tensor_list, tensor: torch.Tensor | None = None, group: Group = None,
-               async_op=False):
+def all_gather(
+    tensor_list, tensor: torch.Tensor | None = None, group: Group = None, async_op=False
+):
     """``all_gather(tensor_list, tensor)`` fills ``tensor_list`` as torch does;
     ``all_gather(tensor)`` returns a new list of every rank's tensor (or, async, a handle whose
     ``value`` is that list)."""
     info = check_group("all_gather", group)
-    if tensor is None:
+    returns_list = tensor is None
+    if returns_list:
         if not isinstance(tensor_list, torch.Tensor):
             raise TypeError("all_gather: pass (tensor_list, tensor) or a single tensor")
         tensor = check_tensor("all_gather", "tensor", tensor_list, info)
@@ -164,20 +166,28 @@ def all_gather(tensor_list, tensor: torch.Tensor | None = None, group: Group = N
         lambda: torch_dist.all_gather(tensor_list, tensor, group=group, async_op=True),
         async_op,
         message_bytes=_nbytes(tensor) * info.size,
-        value=tensor_list,
+        value=tensor_list if returns_list else None,
     )
 
 
-def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tensor,
-                           group: Group = None, async_op=False):
+def all_gather_into_tensor(
+    output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Group = None, async_op=False
+):
     """Every rank's ``input_tensor`` concatenated, in group-rank order, into ``output_tensor``."""
     op = "all_gather_into_tensor"
     info = check_group(op, group)
     check_tensor(op, "output_tensor", output_tensor, info)
     check_tensor(op, "input_tensor", input_tensor, info)
     check_same_dtype(op, "output_tensor", output_tensor, "input_tensor", input_tensor)
-    check_sizes(op, "output_tensor", output_tensor.numel(), "input_tensor", input_tensor.numel(),
-                info.size, gathers=True)
+    check_sizes(
+        op,
+        "output_tensor",
+        output_tensor.numel(),
+        "input_tensor",
+        input_tensor.numel(),
+        info.size,
+        gathers=True,
+    )
     return _launch(
         op,
         info,
@@ -187,8 +197,9 @@ def all_gather_into_tensor(output_tensor: torch.Tensor, input_tensor: torch.Tens
     )
 
 
-def reduce_scatter(output: torch.Tensor, input, op=ReduceOp.SUM, group: Group = None,
-                   async_op=False):
+def reduce_scatter(
+    output: torch.Tensor, input, op=ReduceOp.SUM, group: Group = None, async_op=False
+):
     """Reduce, then keep this rank's piece. ``input`` is a list of one tensor per rank or one
     flat tensor of world_size x ``output.numel()`` elements."""
     if isinstance(input, torch.Tensor):
@@ -210,8 +221,9 @@ def reduce_scatter(output: torch.Tensor, input, op=ReduceOp.SUM, group: Group = 
     )
 
 
-def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
-                          group: Group = None, async_op=False):
+def reduce_scatter_tensor(
+    output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM, group: Group = None, async_op=False
+):
     name = "reduce_scatter_tensor"
     info = check_group(name, group)
     check_tensor(name, "output", output, info)

@@ -188,7 +188,9 @@ def reset_log() -> None:
 
 def _straggler_ms(summary: dict) -> dict[tuple[str, int], float]:
     """Per (op, size): slowest rank's total latency minus the fastest's."""
-    totals = {(op, size): s["total_latency_ms"] for op, by in summary.items() for size, s in by.items()}
+    totals = {
+        (op, size): s["total_latency_ms"] for op, by in summary.items() for size, s in by.items()
+    }
     gathered: list[dict] = [None] * torch_dist.get_world_size()  # type: ignore[list-item]
     torch_dist.all_gather_object(gathered, totals)
     return {
@@ -220,7 +222,11 @@ def format_summary(summary: dict, show_straggler: bool = False) -> str:
     for op, by_size in summary.items():
         for size, s in by_size.items():
             row = [op, _human_bytes(size), str(s["count"]), f"{s['total_latency_ms']:.2f}"]
-            row += [f"{s['avg_latency_ms']:.3f}", f"{s['algbw_gbps']:.3f}", f"{s['busbw_gbps']:.3f}"]
+            row += [
+                f"{s['avg_latency_ms']:.3f}",
+                f"{s['algbw_gbps']:.3f}",
+                f"{s['busbw_gbps']:.3f}",
+            ]
             if show_straggler:
                 row.append(f"{s.get('straggler_ms', 0.0):.2f}")
             rows.append(row)
