@@ -1,11 +1,26 @@
 """zerolap: ZeRO-sharded data-parallel training for PyTorch, DeepSpeed-compatible.
 
-``import zerolap as deepspeed`` gives the names a DeepSpeed training script uses.
+``import zerolap as deepspeed`` gives the names a DeepSpeed training script uses:
+``initialize``, ``init_distributed``, ``add_config_arguments``, ``comm`` and ``zero``.
 """
 
-from zerolap import comm
+from zerolap import comm, zero
 from zerolap.comm import init_distributed
+from zerolap.config import add_config_arguments
+from zerolap.runtime.engine import ZerolapEngine
+from zerolap.runtime.initialize import initialize
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "comm", "init_distributed"]
+DeepSpeedEngine = ZerolapEngine  # the name DeepSpeed scripts use in isinstance checks
+
+__all__ = [
+    "DeepSpeedEngine",
+    "ZerolapEngine",
+    "__version__",
+    "add_config_arguments",
+    "comm",
+    "init_distributed",
+    "initialize",
+    "zero",
+]

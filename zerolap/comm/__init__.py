@@ -21,6 +21,8 @@ from zerolap.comm.collectives import (
 from zerolap.comm.groups import (
     barrier,
     destroy_process_group,
+    get_backend,
+    get_global_rank,
     get_local_rank,
     get_rank,
     get_world_size,
@@ -45,6 +47,8 @@ __all__ = [
     "broadcast",
     "configure",
     "destroy_process_group",
+    "get_backend",
+    "get_global_rank",
     "get_local_rank",
     "get_rank",
     "get_world_size",

@@ -18,6 +18,8 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "barrier",
     "destroy_process_group",
+    "get_backend",
+    "get_global_rank",
     "get_local_rank",
     "get_rank",
     "get_world_size",
@@ -131,6 +133,17 @@ def group_ranks(group: torch_dist.ProcessGroup | None) -> list[int]:
 
 def backend_of(group: torch_dist.ProcessGroup | None) -> str:
     return str(torch_dist.get_backend(group))
+
+
+def get_backend(group: torch_dist.ProcessGroup | None = None) -> str:
+    require_initialized("get_backend")
+    return backend_of(group)
+
+
+def get_global_rank(group: torch_dist.ProcessGroup | None, group_rank: int) -> int:
+    """The global rank of ``group``'s member number ``group_rank``."""
+    require_initialized("get_global_rank")
+    return group_ranks(group)[group_rank]
 
 
 def new_group(ranks: list[int] | None = None, **kwargs) -> torch_dist.ProcessGroup:

@@ -1,0 +1,70 @@
+"""Top-level DeepSpeed keys zerolap accepts but does not implement."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.config.helpers import load, load_error
+
+ACCEPTED = {
+    "flops_profiler": {"enabled": True},
+    "tensorboard": {"enabled": True, "output_path": "x"},
+    "wandb": {"enabled": True, "project": "p"},
+    "csv_monitor": {"enabled": True},
+    "comet": {"enabled": True},
+    "activation_checkpointing": {"partition_activations": True},
+    "aio": {"block_size": 1048576},
+    "autotuning": {"enabled": True},
+    "checkpoint": {"tag_validation": "Warn"},
+    "data_types": {"grad_accum_dtype": "fp32"},
+    "pipeline": {"stages": "auto"},
+    "hybrid_engine": {"enabled": True},
+    "compile": {"deepcompile": True},
+    "timers": {"throughput": {"enabled": True}},
+    "zero_allow_untested_optimizer": True,
+    "zero_force_ds_cpu_optimizer": False,
+    "memory_breakdown": True,
+    "dump_state": True,
+    "seed": 1234,
+    "disable_allgather": True,
+    "graph_harvesting": True,
+    "dataloader_drop_last": True,
+    "use_data_before_expert_parallelism": True,
+}
+
+
+def test_deepspeed_only_keys_are_accepted_stored_and_reported():
+    config = load(ACCEPTED)
+    assert sorted(config.unsupported_keys()) == sorted(ACCEPTED)
+    assert config.tensorboard == {"enabled": True, "output_path": "x"}
+    assert config.seed == 1234
+
+
+def test_disabled_features_are_not_reported():
+    config = load({"amp": {"enabled": False}, "sparse_gradients": False, "elasticity": {}})
+    assert config.unsupported_keys() == []
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("amp", {"enabled": True, "opt_level": "O1"}),
+        ("torch_autocast", {"enabled": True, "dtype": "bfloat16"}),
+        ("sparse_gradients", True),
+        ("progressive_layer_drop", {"enabled": True, "theta": 0.5}),
+        ("curriculum_learning", {"enabled": True}),
+        ("data_efficiency", {"enabled": True}),
+        ("compression_training", {"weight_quantization": {"shared_parameters": {"enabled": True}}}),
+        ("elasticity", {"enabled": True}),
+        ("sequence_parallel_size", 2),
+        ("gradient_allreduce_op", "SUM"),
+        ("managed_gradient_accumulation", False),
+    ],
+)
+def test_values_that_would_change_the_results_are_errors(key, value):
+    message = load_error({key: value})
+    assert f"  - {key}: got " in message and "zerolap does not implement this" in message
+
+
+def test_gradient_allreduce_op_mean_is_fine():
+    assert load({"gradient_allreduce_op": "Mean"}).gradient_allreduce_op == "mean"

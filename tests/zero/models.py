@@ -1,0 +1,42 @@
+"""Small deterministic models and data shared by the engine tests."""
+
+from __future__ import annotations
+
+import torch
+
+
+class TiedMLP(torch.nn.Module):
+    """An embedding tied to the output layer, a parameter unused on odd steps, and a buffer."""
+
+    def __init__(self, vocab: int = 13, width: int = 24) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.hidden = torch.nn.Linear(width, width)
+        self.norm = torch.nn.LayerNorm(width)
+        self.sometimes = torch.nn.Linear(width, width)
+        self.out = torch.nn.Linear(width, vocab, bias=False)
+        self.out.weight = self.embed.weight  # tied
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, tokens: torch.Tensor, use_sometimes: bool = True) -> torch.Tensor:
+        h = torch.tanh(self.hidden(self.embed(tokens)))
+        if use_sometimes:
+            h = h + self.sometimes(h)
+        return self.out(self.norm(h))
+
+
+def make_model(seed: int = 0) -> TiedMLP:
+    torch.manual_seed(seed)
+    return TiedMLP()
+
+
+def global_batch(step: int, size: int, vocab: int = 13) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    tokens = torch.randint(0, vocab, (size, 6), generator=g)
+    return tokens, torch.roll(tokens, 1, dims=1)
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
+    )

@@ -1,0 +1,82 @@
+"""Parameters after several AdamW steps equal those of one process on the whole global batch,
+for stages 0-2, both reduction paths, overlap on and off, accumulation and clipping."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import zerolap
+import zerolap.comm as dist
+from tests.zero.models import global_batch, loss_fn, make_model
+
+STEPS = 3
+MICRO = 2
+LR = 0.05
+
+CONFIGS = [
+    dict(stage=s, reduce_scatter=rs, overlap=ov, gas=gas, clip=clip)
+    for s, rs, ov, gas, clip in itertools.product(
+        [0, 1, 2], [True, False], [True, False], [1, 2], [0.0, 0.3]
+    )
+    if not (s == 0 and rs)
+]
+
+
+def reference_params(gas: int, world: int, clip: float) -> list[torch.Tensor]:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    for step in range(STEPS):
+        tokens, targets = global_batch(step, MICRO * gas * world)
+        opt.zero_grad(set_to_none=False)  # flat buffers give unused params zero grads
+        loss_fn(model(tokens, use_sometimes=step % 2 == 0), targets).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def train_engine(stage, reduce_scatter, overlap, gas, clip) -> list[torch.Tensor]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_scatter": reduce_scatter,
+            "overlap_comm": overlap,
+            "reduce_bucket_size": 200,
+        },
+    }
+    engine, *_ = zerolap.initialize(model=make_model(), config=config)
+    for step in range(STEPS):
+        tokens, targets = global_batch(step, MICRO * gas * world)
+        for micro in range(gas):
+            # Global sample order: micro-batch m of rank r is block (m * world + r).
+            lo = (micro * world + rank) * MICRO
+            logits = engine(tokens[lo : lo + MICRO], use_sometimes=step % 2 == 0)
+            engine.backward(loss_fn(logits, targets[lo : lo + MICRO]))
+            engine.step()
+    assert engine.global_steps == STEPS and engine.micro_steps == STEPS * gas
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def check_parity() -> list[str]:
+    failures = []
+    for cfg in CONFIGS:
+        got = train_engine(**cfg)
+        want = reference_params(cfg["gas"], dist.get_world_size(), cfg["clip"])
+        worst = max((g - w).abs().max().item() for g, w in zip(got, want, strict=True))
+        if worst > 1e-5:
+            failures.append(f"{cfg}: max |diff| {worst:.2e}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_parity_with_single_process(ranks, world_size):
+    failures = ranks(world_size).run(check_parity, timeout=240)
+    assert failures == [[]] * world_size, "\n".join(failures[0])

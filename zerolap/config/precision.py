@@ -1,0 +1,102 @@
+"""The ``fp16`` and ``bf16`` sections, and the dtype names ``communication_data_type`` accepts.
+
+Only one of fp16 and bf16 may be enabled; the root config checks that, as it spans both sections.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+import torch
+from pydantic import AliasChoices, BeforeValidator, Field
+
+from zerolap.config.section import ConfigSection, DeepSpeedOnly, is_true
+
+__all__ = ["BF16Config", "DTypeName", "FP16Config", "torch_dtype"]
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_SPELLINGS = {
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+}
+
+
+def _normalise_dtype_name(value: Any) -> Any:
+    if value is None or not isinstance(value, str):
+        return value
+    name = value.strip().lower().removeprefix("torch.")
+    if name in ("", "none", "null"):
+        return None
+    if name not in _SPELLINGS:
+        raise ValueError(
+            "must be one of fp32, fp16, bf16 (or float32, float16, bfloat16), or null for the "
+            "training dtype"
+        )
+    return _SPELLINGS[name]
+
+
+DTypeName = Annotated[
+    Literal["fp32", "fp16", "bf16"] | None, BeforeValidator(_normalise_dtype_name)
+]
+"""A dtype by DeepSpeed's short name; torch spellings (``"bfloat16"``, ``"torch.float16"``) are
+normalised to it."""
+
+
+def torch_dtype(name: str | None) -> torch.dtype | None:
+    """The torch dtype of a ``DTypeName`` value."""
+    return None if name is None else _DTYPES[name]
+
+
+class FP16Config(ConfigSection):
+    """The ``fp16`` section: fp16 training with fp32 master weights and loss scaling."""
+
+    enabled: bool = False
+    """Train in fp16 (parameters and gradients in fp16, master weights in fp32)."""
+    auto_cast: Annotated[bool, DeepSpeedOnly()] = False
+    """DeepSpeed casts floating-point inputs to fp16; zerolap leaves the inputs alone."""
+    loss_scale: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """A static loss scale; 0 selects dynamic loss scaling."""
+    initial_scale_power: int = Field(16, ge=0)
+    """Dynamic loss scaling starts at ``2**initial_scale_power``."""
+    loss_scale_window: int = Field(1000, ge=1)
+    """Steps without overflow before the dynamic loss scale is doubled."""
+    hysteresis: int = Field(2, ge=1)
+    """Overflowing steps tolerated before the dynamic loss scale is halved."""
+    consecutive_hysteresis: bool = False
+    """Refill the hysteresis budget after every step without overflow."""
+    min_loss_scale: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """The floor of the dynamic loss scale."""
+    fp16_master_weights_and_grads: Annotated[
+        bool, DeepSpeedOnly(is_true, "master weights stay in fp32 in zerolap")
+    ] = False
+    """DeepSpeed keeps master weights and gradients in fp16 (with its CPU Adam)."""
+    fused_mode: Annotated[bool | None, DeepSpeedOnly()] = None
+    """Legacy DeepSpeed switch for its fused fp16 optimizer."""
+
+
+class BF16Config(ConfigSection):
+    """The ``bf16`` section (also spelt ``bfloat16``): bf16 training with fp32 master weights.
+    bf16 has fp32's exponent range, so there is no loss scaling."""
+
+    enabled: bool = False
+    """Train in bf16 (parameters and gradients in bf16, master weights in fp32)."""
+    check_grad_overflow: bool = Field(
+        False, validation_alias=AliasChoices("check_grad_overflow", "check_overflow")
+    )
+    """Skip the optimizer step when a gradient is inf or nan, as fp16 does."""
+    immediate_grad_update: Annotated[bool, DeepSpeedOnly()] = False
+    """DeepSpeed's bf16 optimizer folds each gradient into the fp32 one as soon as it is ready."""
+    bf16_master_weights_and_grads: Annotated[
+        bool, DeepSpeedOnly(is_true, "master weights stay in fp32 in zerolap")
+    ] = False
+    """DeepSpeed keeps master weights and gradients in bf16."""
+    bf16_optimizer_states: Annotated[
+        bool, DeepSpeedOnly(is_true, "optimizer states stay in fp32 in zerolap")
+    ] = False
+    """DeepSpeed keeps the optimizer states in bf16."""

@@ -1,0 +1,154 @@
+"""``ZerolapConfig``, the whole ds_config, and ``load_config``, which builds it before training.
+
+Each component receives its own section (``cfg.zero_optimization``, ``cfg.fp16``, ...). The
+batch-size triangle is resolved when the data-parallel world size is known, which
+``load_config`` passes in as validation context; after ``load_config`` all three batch values are
+set.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import AliasChoices, Field, ValidationError
+
+from zerolap.config.batch import resolve_batch_size
+from zerolap.config.comms_logger import CommsLoggerConfig
+from zerolap.config.deepspeed_keys import DeepSpeedKeys
+from zerolap.config.errors import ConfigError, Problem, format_validation_error
+from zerolap.config.optimizer import OptimizerConfig
+from zerolap.config.precision import BF16Config, DTypeName, FP16Config, torch_dtype
+from zerolap.config.scheduler import SchedulerConfig
+from zerolap.config.zero import ZeroConfig
+
+__all__ = ["ZerolapConfig", "load_config"]
+
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+class ZerolapConfig(DeepSpeedKeys):
+    """A ds_config: DeepSpeed's keys, spellings and defaults, checked at load."""
+
+    auto_means_default = False  # DeepSpeed reads top-level values as they are
+
+    train_batch_size: int | None = Field(None, ge=1)
+    """Samples per optimizer step over all ranks (micro-batch × accumulation × world size)."""
+    train_micro_batch_size_per_gpu: int | None = Field(None, ge=1)
+    """Samples per forward/backward on one rank."""
+    gradient_accumulation_steps: int | None = Field(None, ge=1)
+    """Micro-batches whose gradients are accumulated before each optimizer step."""
+    gradient_clipping: float = Field(0.0, ge=0, allow_inf_nan=False)
+    """Clip the global gradient norm to this value; 0 turns clipping off."""
+    steps_per_print: int | None = Field(10, ge=1)
+    """Print progress every this many optimizer steps; null never does."""
+    wall_clock_breakdown: bool = False
+    """Time forward, backward and step, and print the breakdown."""
+    prescale_gradients: bool = False
+    """Divide gradients by the world size before reducing them rather than after."""
+    gradient_predivide_factor: float = Field(1.0, gt=0, allow_inf_nan=False)
+    """Divide gradients by this before the reduction and by ``world_size / factor`` after."""
+    communication_data_type: DTypeName = None
+    """Dtype gradients are reduced in; null reduces them in the training dtype."""
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    """What the comms logger records and prints."""
+    optimizer: OptimizerConfig | None = None
+    """The optimizer to build; null when the caller passes its own."""
+    scheduler: SchedulerConfig | None = None
+    """The learning-rate schedule to build; null when there is none or the caller passes one."""
+    fp16: FP16Config = Field(default_factory=FP16Config)
+    """fp16 mixed precision and loss scaling."""
+    bf16: BF16Config = Field(
+        default_factory=BF16Config, validation_alias=AliasChoices("bf16", "bfloat16")
+    )
+    """bf16 mixed precision (also spelt ``bfloat16``)."""
+    zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
+    """The ZeRO stage and its knobs."""
+
+    @property
+    def precision(self) -> Literal["fp32", "fp16", "bf16"]:
+        """The training dtype of parameters and gradients."""
+        if self.fp16.enabled:
+            return "fp16"
+        return "bf16" if self.bf16.enabled else "fp32"
+
+    @property
+    def communication_dtype(self) -> torch.dtype | None:
+        """The dtype gradients are reduced in; None means the training dtype."""
+        return torch_dtype(self.communication_data_type)
+
+    @classmethod
+    def _rewrite_legacy(cls, data: dict[str, Any]) -> dict[str, Any]:
+        # DeepSpeed's oldest form: "zero_optimization": true means stage 1.
+        zero = data.get("zero_optimization")
+        if isinstance(zero, bool):
+            data["zero_optimization"] = {"stage": int(zero)}
+            if zero and "allgather_size" in data:
+                data["zero_optimization"]["allgather_bucket_size"] = data.pop("allgather_size")
+        return data
+
+    def _check(self, context: Mapping[str, Any]) -> list[Problem]:
+        problems = []
+        if self.fp16.enabled and self.bf16.enabled:
+            message = "fp16 and bf16 cannot both be enabled; choose one"
+            problems.append(Problem(("fp16.enabled", "bf16.enabled"), message))
+        world_size = context.get("world_size")
+        if world_size is not None:
+            try:
+                batch = resolve_batch_size(
+                    train_batch_size=self.train_batch_size,
+                    train_micro_batch_size_per_gpu=self.train_micro_batch_size_per_gpu,
+                    gradient_accumulation_steps=self.gradient_accumulation_steps,
+                    world_size=world_size,
+                )
+            except ValueError as error:
+                problems.append(Problem(_BATCH_KEYS, str(error)))
+            else:
+                for name, value in batch._asdict().items():
+                    self._set_derived(name, value)
+        return problems
+
+
+def load_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: int) -> ZerolapConfig:
+    """Parse and check a ds_config (a dict or the path of a JSON file) for ``world_size``
+    data-parallel ranks. Raises ``ConfigError`` listing every problem, each by its dotted key."""
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size must be a positive int; got {world_size!r}")
+    source = "ds_config"
+    if isinstance(config, (str, os.PathLike)):
+        source = f"ds_config {os.fspath(config)}"
+        config = _read_json(Path(config))
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"{source} must be a JSON object; got {type(config).__name__}")
+    try:
+        return ZerolapConfig.model_validate(config, context={"world_size": world_size})
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error, source=source)) from None
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read ds_config {path}: {error.strerror}") from None
+    try:
+        return json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+    except json.JSONDecodeError as error:
+        raise ConfigError(
+            f"ds_config {path} is not valid JSON: {error.msg} at line {error.lineno}, "
+            f"column {error.colno}"
+        ) from None
+    except ValueError as error:
+        raise ConfigError(f"ds_config {path}: {error}") from None
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    keys = [key for key, _ in pairs]
+    duplicates = sorted({key for key in keys if keys.count(key) > 1})
+    if duplicates:
+        raise ValueError(f"duplicate keys {', '.join(duplicates)} (DeepSpeed rejects them too)")
+    return dict(pairs)

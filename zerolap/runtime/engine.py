@@ -1,0 +1,282 @@
+"""``ZerolapEngine``: DeepSpeed's engine interface, orchestrating and nothing else.
+
+Data flows one way: the model's parameters are laid out in flat buckets (``zero.layout``), the
+reducer's hooks move gradients into buckets and launch their collectives during backward
+(``zero.reducer``), the sharded optimizer steps on the owned elements and all-gathers the result
+(``zero.optimizer``). The stage decides which components are built (``zero.stages``), once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+
+import zerolap.comm as dist
+from zerolap.config import ZerolapConfig
+from zerolap.runtime.loss_scaler import build_loss_scaler
+from zerolap.runtime.memory import MemoryBreakdown, measure_memory
+from zerolap.zero.flat_params import FlatParams
+from zerolap.zero.grad_storage import FullGradients, ShardGradients
+from zerolap.zero.layout import build_layout
+from zerolap.zero.optimizer import ZeroOptimizer
+from zerolap.zero.reducer import GradReducer
+from zerolap.zero.reductions import AllReduceBuckets, ReduceScatterBuckets, scale_factors
+from zerolap.zero.stages import plan_stage
+
+__all__ = ["ZerolapEngine"]
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def trainable_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """Parameters that train, deduplicated (tied weights once), in the order their gradients
+    are expected in backward: the reverse of registration."""
+    return [p for p in reversed(list(module.parameters())) if p.requires_grad]
+
+
+class ZerolapEngine(torch.nn.Module):
+    def __init__(
+        self,
+        *,
+        module: torch.nn.Module,
+        config: ZerolapConfig,
+        make_optimizer,
+        make_scheduler,
+        group=None,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.config = config
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.global_rank = dist.get_rank()
+        self.local_rank = dist.get_local_rank()
+        self.plan = plan_stage(
+            config.zero_optimization.stage, reduce_scatter=config.zero_optimization.reduce_scatter
+        )
+        self._warn_unsupported()
+        self._cast_module()
+        self.params = trainable_params(module)
+        if not self.params:
+            raise ValueError("the model has no parameter with requires_grad=True to train")
+        self._check_one_dtype()
+        self._build_buffers()
+        self._broadcast_initial_state()
+        self._build_reducer()
+        self.loss_scaler = build_loss_scaler(config.fp16)
+        self.optimizer = self._build_optimizer(make_optimizer(self.params))
+        self.lr_scheduler = make_scheduler(self.optimizer.inner)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._no_sync = False
+        self._cycle_fresh = True  # the next backward starts a new accumulation cycle
+
+    # -- construction steps -------------------------------------------------------------------
+
+    def _warn_unsupported(self) -> None:
+        keys = self.config.unsupported_keys()
+        if keys and self.global_rank == 0:
+            warnings.warn(
+                "zerolap does not implement these ds_config keys; they are accepted and have no "
+                f"effect: {', '.join(keys)}",
+                stacklevel=3,
+            )
+
+    def _cast_module(self) -> None:
+        dtype = _DTYPES[self.config.precision]
+        if dtype != torch.float32:
+            self.module.to(dtype)
+
+    def _check_one_dtype(self) -> None:
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        first = self.params[0]
+        for p in self.params:
+            if p.dtype != first.dtype or p.device != first.device:
+                raise ValueError(
+                    f"parameter {names.get(id(p), '?')} is {p.dtype} on {p.device} but "
+                    f"{names.get(id(first), '?')} is {first.dtype} on {first.device}: all "
+                    "trainable parameters must share one dtype and device"
+                )
+
+    def _build_buffers(self) -> None:
+        zero = self.config.zero_optimization
+        self.layout = build_layout(
+            [p.numel() for p in self.params],
+            bucket_numel=zero.reduce_bucket_size,
+            world_size=self.world_size,
+        )
+        self.flat_params = FlatParams(self.params, self.layout)
+
+    def _broadcast_initial_state(self) -> None:
+        """Every rank starts from rank 0's weights and buffers, as DeepSpeed and DDP do."""
+        if self.world_size == 1:
+            return
+        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
+        dist.broadcast(self.flat_params.flat, src=src, group=self.group)
+        for buffer in self.module.buffers():
+            dist.broadcast(buffer.data, src=src, group=self.group)
+
+    def _build_reducer(self) -> None:
+        param_dtype = self.flat_params.flat.dtype
+        comm_dtype = self.config.communication_dtype or param_dtype
+        device = self.flat_params.flat.device
+        rank = dist.get_rank(self.group)
+        if self.plan.shard_gradients:
+            self.grads = ShardGradients(
+                self.layout, rank, dtype=torch.float32, comm_dtype=comm_dtype, device=device
+            )
+        else:
+            self.grads = FullGradients(
+                self.layout, dtype=param_dtype, comm_dtype=comm_dtype, device=device
+            )
+        pre, post = scale_factors(
+            self.world_size,
+            predivide=self.config.gradient_predivide_factor,
+            prescale=self.config.prescale_gradients,
+        )
+        if self.plan.reduce_scatter:
+            native = dist.get_backend(self.group) == "nccl"
+            reduction = ReduceScatterBuckets(self.group, rank, pre=pre, post=post, native=native)
+        else:
+            reduction = AllReduceBuckets(self.group, pre=pre, post=post)
+        self.reducer = GradReducer(
+            self.params,
+            self.layout,
+            self.grads,
+            reduction,
+            overlap=self.config.zero_optimization.overlap_comm,
+        )
+
+    def _build_optimizer(self, inner: torch.optim.Optimizer) -> ZeroOptimizer:
+        rank = dist.get_rank(self.group)
+        if self.plan.shard_optimizer:
+            owned = self.layout.owned_ranges(rank)
+            shard_numel = self.layout.shard_numel
+            to_shard = self.layout.shard_position
+        else:
+            owned = [(b.start, b.end) for b in self.layout.buckets]
+            shard_numel = self.layout.numel
+            to_shard = lambda bucket, flat: flat  # noqa: E731  (the "shard" is everything)
+        return ZeroOptimizer(
+            inner,
+            params=self.params,
+            layout=self.layout,
+            flat_params=self.flat_params,
+            grads=self.grads,
+            owned_ranges=owned,
+            to_shard=to_shard,
+            shard_numel=shard_numel,
+            sharded=self.plan.shard_optimizer and self.world_size > 1,
+            group=self.group,
+            rank=rank,
+            clip=self.config.gradient_clipping,
+            loss_scaler=self.loss_scaler,
+            native_gather=dist.get_backend(self.group) == "nccl",
+        )
+
+    # -- training -----------------------------------------------------------------------------
+
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
+        """Scale ``loss`` (accumulation, fp16 loss scale), backpropagate, and reduce gradients
+        when this micro-batch is due to; returns ``loss`` unscaled."""
+        if self._cycle_fresh:
+            self.reducer.begin_cycle()
+            self._cycle_fresh = False
+        for param in self.params:
+            param.grad = None  # the reducer's storage holds gradients, not autograd
+        reduce = self.plan.reduce_every_micro_batch or (
+            self.is_gradient_accumulation_boundary() and not self._no_sync
+        )
+        self.reducer.begin_backward(reduce)
+        scale = self.loss_scaler.loss_scale / self.gradient_accumulation_steps()
+        (loss.float() * scale).backward(retain_graph=retain_graph)
+        self.reducer.finish_backward()
+        self._expose_grads()
+        return loss
+
+    def _expose_grads(self) -> None:
+        """Stages 0-1 keep full gradients: show them as ``param.grad`` views, as DDP does."""
+        for slot, param in enumerate(self.params):
+            grad = self.grads.param_grad(slot)
+            if grad is not None:
+                param.grad = grad.view_as(param)
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Call after every micro-batch; the optimizer runs at the accumulation boundary."""
+        if self.is_gradient_accumulation_boundary():
+            for param in self.params:
+                param.grad = None
+            applied = self.optimizer.step()
+            if applied:
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+            else:
+                self.skipped_steps += 1
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+            self._cycle_fresh = True
+        self.micro_steps += 1
+
+    def zero_grad(self) -> None:
+        """Forget accumulated gradients; the next backward starts from zero."""
+        for param in self.params:
+            param.grad = None
+        self._cycle_fresh = True
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally without reducing them (stages 0 and 1)."""
+        if self.plan.reduce_every_micro_batch:
+            raise RuntimeError(
+                f"no_sync is not possible with ZeRO stage {self.plan.stage}: it keeps only its "
+                "gradient shard, so every micro-batch must be reduce-scattered"
+            )
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    # -- DeepSpeed's accessors ----------------------------------------------------------------
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.plan.stage
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.optimizer.last_norm
+
+    def was_step_applied(self) -> bool:
+        return self.optimizer.last_applied
+
+    def memory_breakdown(self) -> MemoryBreakdown:
+        """Bytes of model state this rank holds, against the ZeRO formula for its stage."""
+        return measure_memory(self)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = super().__getattr__("module")
+            return getattr(module, name)

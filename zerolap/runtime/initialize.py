@@ -1,0 +1,129 @@
+"""``zerolap.initialize``: DeepSpeed's entry point, same arguments, same 4-tuple."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+import zerolap.comm as dist
+from zerolap.config import ConfigError, load_config
+from zerolap.runtime.engine import ZerolapEngine
+from zerolap.runtime.lr_schedules import build_scheduler
+from zerolap.runtime.optimizers import build_optimizer
+
+__all__ = ["initialize"]
+
+
+def _config_source(args, config, config_params):
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    given = config if config is not None else config_params
+    if given is not None and from_args is not None:
+        raise ConfigError(
+            "a ds_config was given twice: as initialize(config=...) and as "
+            f"--deepspeed_config {from_args}; pass one"
+        )
+    source = given if given is not None else from_args
+    if source is None:
+        raise ConfigError(
+            "no ds_config: pass initialize(config=dict or JSON path) or --deepspeed_config"
+        )
+    return source
+
+
+def _optimizer_factory(optimizer, model_parameters, cfg):
+    def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+        wanted = model_parameters if model_parameters is not None else params
+        if isinstance(optimizer, torch.optim.Optimizer):
+            if cfg.optimizer is not None and dist.get_rank() == 0:
+                warnings.warn(
+                    "the optimizer passed to initialize() overrides ds_config's "
+                    f"optimizer.type={cfg.optimizer.type}",
+                    stacklevel=4,
+                )
+            return optimizer
+        if callable(optimizer):
+            return optimizer(wanted)
+        if cfg.optimizer is None:
+            raise ConfigError(
+                "no optimizer: pass initialize(optimizer=...) or set "
+                "ds_config's optimizer {type, params}"
+            )
+        return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, wanted)
+
+    return make
+
+
+def _scheduler_factory(lr_scheduler, cfg):
+    def make(inner: torch.optim.Optimizer):
+        if lr_scheduler is not None and not callable(getattr(lr_scheduler, "step", None)):
+            return lr_scheduler(inner)  # a factory
+        if lr_scheduler is not None:
+            return lr_scheduler
+        if cfg.scheduler is not None:
+            return build_scheduler(cfg.scheduler.type, cfg.scheduler.params, inner)
+        return None
+
+    return make
+
+
+def _dataloader(training_data, cfg, collate_fn, group):
+    if training_data is None:
+        return None
+    sampler = torch.utils.data.distributed.DistributedSampler(
+        training_data, num_replicas=dist.get_world_size(group), rank=dist.get_rank(group)
+    )
+    return torch.utils.data.DataLoader(
+        training_data,
+        batch_size=cfg.train_micro_batch_size_per_gpu,
+        sampler=sampler,
+        collate_fn=collate_fn,
+    )
+
+
+def initialize(
+    args=None,
+    model: torch.nn.Module | None = None,
+    optimizer=None,
+    model_parameters=None,
+    training_data=None,
+    lr_scheduler=None,
+    distributed_port: int = 29500,
+    mpu=None,
+    dist_init_required: bool | None = None,
+    collate_fn=None,
+    config=None,
+    mesh_param=None,
+    config_params=None,
+):
+    """Wrap ``model`` in a ``ZerolapEngine``; returns ``(engine, optimizer, training_dataloader,
+    lr_scheduler)`` (the last two None when not asked for).
+
+    ``optimizer`` and ``lr_scheduler`` may be instances or callables (called with the model
+    parameters and with the optimizer); given ones override the ds_config's. ``mpu`` and
+    ``mesh_param`` (model parallelism) are not supported yet and must be None.
+    """
+    if model is None:
+        raise ValueError("initialize() needs model=")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError(
+            "initialize(mpu=..., mesh_param=...): model parallelism is not supported by zerolap yet"
+        )
+    if not dist.is_initialized():
+        if dist_init_required is False:
+            raise RuntimeError(
+                "dist_init_required=False but no process group exists: call "
+                "zerolap.init_distributed() first"
+            )
+        dist.init_distributed(distributed_port=distributed_port, verbose=False)
+    source = _config_source(args, config, config_params)
+    cfg = load_config(source, world_size=dist.get_world_size())
+    dist.configure(cfg.comms_logger)
+    engine = ZerolapEngine(
+        module=model,
+        config=cfg,
+        make_optimizer=_optimizer_factory(optimizer, model_parameters, cfg),
+        make_scheduler=_scheduler_factory(lr_scheduler, cfg),
+    )
+    loader = _dataloader(training_data, cfg, collate_fn, None)
+    return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -1,0 +1,75 @@
+"""Model-state memory per rank: bytes of the tensors the engine holds, against the formulas.
+
+``zero_formula_bytes`` is the ZeRO paper's accounting as DeepSpeed realises it, per parameter,
+with p/g bytes of parameter/gradient, m of master weights (fp32 copy) and k of optimizer state
+(8 for Adam's two fp32 moments), on N ranks:
+
+    stage 0: p + g + k            (fp32: no master; mixed precision: + m)
+    stage 1: p + g + (m + k) / N
+    stage 2: p + (g + m + k) / N
+
+For fp32 AdamW that is 16, 8 + 12/N and 4 + 16/N bytes. zerolap keeps no fp32 master of fp32
+weights (the optimizer steps on the flat parameter buffer itself), so ``expected_bytes`` is the
+same formula with m = 0 in fp32: 16, 8 + 8/N, 4 + 12/N.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["MemoryBreakdown", "measure_memory", "zero_formula_bytes"]
+
+
+def zero_formula_bytes(
+    stage: int, numel: int, world_size: int, *, param: int, grad: int, master: int, state: int = 8
+) -> float:
+    n = world_size
+    if stage == 0:
+        return numel * (param + grad + master + state)
+    if stage == 1:
+        return numel * (param + grad + (master + state) / n)
+    return numel * (param + (grad + master + state) / n)
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    rank: int
+    stage: int
+    world_size: int
+    numel: int  # trainable parameters, without padding
+    params_bytes: int
+    grads_bytes: int
+    master_bytes: int
+    optimizer_state_bytes: int
+    expected_bytes: float  # zerolap's formula for this stage and precision (see module doc)
+    zero_formula_bytes: float  # the ZeRO / DeepSpeed formula, with an fp32 master copy
+
+    @property
+    def total_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.master_bytes + self.optimizer_state_bytes
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"total_bytes": self.total_bytes}
+
+
+def measure_memory(engine) -> MemoryBreakdown:
+    numel = sum(p.numel() for p in engine.params)
+    param_bytes = engine.flat_params.flat.element_size()
+    mixed = param_bytes < 4
+    grad_bytes = 4 if engine.plan.shard_gradients else param_bytes
+    stage, n = engine.plan.stage, engine.world_size
+    formula = dict(param=param_bytes, grad=grad_bytes)
+    return MemoryBreakdown(
+        rank=engine.global_rank,
+        stage=stage,
+        world_size=n,
+        numel=numel,
+        params_bytes=engine.flat_params.nbytes(),
+        grads_bytes=engine.grads.nbytes(),
+        master_bytes=engine.optimizer.master_bytes(),
+        optimizer_state_bytes=engine.optimizer.state_bytes(),
+        expected_bytes=zero_formula_bytes(stage, numel, n, master=4 if mixed else 0, **formula),
+        zero_formula_bytes=zero_formula_bytes(
+            stage, numel, n, master=4 if (mixed or stage > 0) else 0, **formula
+        ),
+    )

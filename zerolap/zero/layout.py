@@ -1,0 +1,152 @@
+"""Where every parameter lives in the flat buffers, which bucket it belongs to, and which part of
+each bucket a rank owns. Pure arithmetic, computed once at construction.
+
+Layout (Megatron's distributed-optimizer scheme):
+
+    flat:   | bucket 0                  | bucket 1                  | ...
+            | chunk 0 | chunk 1 | ...   | chunk 0 | chunk 1 | ...   |
+    params: p_k ... p_j (+ padding)     | p_i ... (+ padding)
+
+* Parameters are placed in the order their gradients are expected to become ready in backward
+  (the reverse of registration order), so buckets fill front to back.
+* A bucket closes once it holds ``bucket_numel`` elements (a larger parameter gets a bucket of
+  its own) and is padded to a multiple of the world size.
+* Rank r owns chunk r of every bucket: a reduce-scatter of a bucket hands each rank exactly its
+  chunk, and an all-gather of the bucket rebuilds the parameters from the owners' chunks.
+
+A rank's *shard* is its chunks concatenated in bucket order; ``shard_offset`` maps them there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["BucketLayout", "FlatLayout", "OwnedRun", "ParamSlot", "build_layout"]
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter's place in the flat buffer."""
+
+    index: int  # position in the list given to build_layout
+    offset: int
+    numel: int
+    bucket: int
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    index: int
+    start: int  # flat offset of the first element
+    end: int  # flat offset one past the padding
+    slots: tuple[int, ...]  # indices of its params
+    world_size: int
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def chunk_numel(self) -> int:
+        return self.numel // self.world_size
+
+    def chunk(self, rank: int) -> tuple[int, int]:
+        """Flat ``(start, end)`` of the chunk owned by ``rank``."""
+        start = self.start + rank * self.chunk_numel
+        return start, start + self.chunk_numel
+
+
+@dataclass(frozen=True)
+class OwnedRun:
+    """Consecutive flat elements ``[start, end)`` of one optimizer group inside one bucket."""
+
+    group: int
+    start: int
+    end: int
+    bucket: int
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    slots: tuple[ParamSlot, ...]
+    buckets: tuple[BucketLayout, ...]
+    world_size: int
+
+    @property
+    def numel(self) -> int:
+        """Flat elements including padding."""
+        return self.buckets[-1].end if self.buckets else 0
+
+    @property
+    def shard_numel(self) -> int:
+        return self.numel // self.world_size
+
+    def owned_ranges(self, rank: int) -> list[tuple[int, int]]:
+        """Flat ``(start, end)`` of every chunk ``rank`` owns, in bucket order."""
+        return [bucket.chunk(rank) for bucket in self.buckets]
+
+    def shard_offset(self, bucket: int) -> int:
+        """Where ``bucket``'s chunk starts inside a rank's shard."""
+        return sum(b.chunk_numel for b in self.buckets[:bucket])
+
+    def shard_position(self, bucket: int, flat: int) -> int:
+        """Where flat offset ``flat`` (inside ``bucket``'s chunk of its owner) sits in the
+        owner's shard."""
+        chunk_start = self.buckets[bucket].chunk(0)[0]
+        chunk_numel = self.buckets[bucket].chunk_numel
+        return self.shard_offset(bucket) + (flat - chunk_start) % chunk_numel
+
+    def runs(self, ranges: list[tuple[int, int]], group_of: list[int]) -> list[OwnedRun]:
+        """Split flat ``ranges`` into maximal runs of parameters of one optimizer group,
+        skipping padding. ``group_of[slot]`` is the group of each parameter."""
+        runs: list[OwnedRun] = []
+        for start, end in ranges:
+            for slot, lo, hi in self.pieces(start, end):
+                group = group_of[slot]
+                last = runs[-1] if runs else None
+                if last is not None and last.group == group and last.end == lo:
+                    runs[-1] = OwnedRun(group, last.start, hi, last.bucket)
+                else:
+                    runs.append(OwnedRun(group, lo, hi, self.slots[slot].bucket))
+        return runs
+
+    def pieces(self, start: int, end: int) -> list[tuple[int, int, int]]:
+        """``(slot index, start, end)`` for each parameter overlapping flat ``[start, end)``,
+        clipped to it; padding is skipped."""
+        out = []
+        for slot in self.slots:
+            lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+            if lo < hi:
+                out.append((slot.index, lo, hi))
+        return out
+
+
+def build_layout(numels: list[int], *, bucket_numel: int, world_size: int) -> FlatLayout:
+    """Lay out parameters of ``numels`` (already in gradient-ready order) into buckets of about
+    ``bucket_numel`` elements, each padded to a multiple of ``world_size``."""
+    if bucket_numel <= 0:
+        raise ValueError(f"reduce_bucket_size must be positive, got {bucket_numel}")
+    if world_size <= 0:
+        raise ValueError(f"world_size must be positive, got {world_size}")
+    slots: list[ParamSlot] = []
+    buckets: list[BucketLayout] = []
+    members: list[int] = []
+    bucket_start = offset = 0
+
+    def close_bucket() -> None:
+        nonlocal bucket_start, offset, members
+        padded = -(-(offset - bucket_start) // world_size) * world_size
+        end = bucket_start + padded
+        buckets.append(BucketLayout(len(buckets), bucket_start, end, tuple(members), world_size))
+        bucket_start = offset = end
+        members = []
+
+    for index, numel in enumerate(numels):
+        if members and offset - bucket_start + numel > bucket_numel:
+            close_bucket()
+        slots.append(ParamSlot(index, offset, numel, len(buckets)))
+        members.append(index)
+        offset += numel
+    if members:
+        close_bucket()
+    return FlatLayout(tuple(slots), tuple(buckets), world_size)

@@ -1,0 +1,185 @@
+"""The client's optimizer, re-pointed at the elements this rank owns, and the step around it.
+
+The client's ``torch.optim`` object is kept (so schedulers bound to it keep working); its param
+groups are re-pointed at *runs*: contiguous flat ranges of one group inside this rank's chunks.
+With fp32 parameters a run is a view of the flat parameter buffer itself (no master copy, since
+an fp32 copy of fp32 weights would only cost memory); with fp16/bf16 parameters it is a view of
+an fp32 master shard.
+
+Phases of ``step()``:
+1. gather the owned gradient runs (fp32 copies under mixed precision);
+2. fp16: any non-finite value on any rank skips the step and shrinks the loss scale;
+3. global norm: squares summed over owned runs, all-reduced when the optimizer is sharded;
+4. unscale and clip in one multiply, then the inner optimizer steps;
+5. mixed precision: the master runs are copied back into the 16-bit parameters;
+6. sharded: each bucket of parameters is all-gathered from its owners.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+
+import zerolap.comm as dist
+from zerolap.zero.flat_params import FlatParams
+from zerolap.zero.layout import FlatLayout
+
+__all__ = ["ZeroOptimizer"]
+
+
+def slot_groups(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> list[int]:
+    """For each parameter, the index of the client param group holding it (-1: none)."""
+    where = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    return [where.get(id(p), -1) for p in params]
+
+
+class ZeroOptimizer:
+    def __init__(
+        self,
+        inner: torch.optim.Optimizer,
+        *,
+        params: list[torch.nn.Parameter],
+        layout: FlatLayout,
+        flat_params: FlatParams,
+        grads,
+        owned_ranges: list[tuple[int, int]],
+        to_shard: Callable[[int, int], int],
+        shard_numel: int,
+        sharded: bool,
+        group,
+        rank: int,
+        clip: float,
+        loss_scaler,
+        native_gather: bool,
+    ) -> None:
+        self.inner = inner
+        self.layout = layout
+        self.flat_params = flat_params
+        self.grads = grads
+        self.sharded = sharded
+        self.group = group
+        self.rank = rank
+        self.clip = clip
+        self.loss_scaler = loss_scaler
+        self.native_gather = native_gather
+        groups = slot_groups(inner, params)
+        self.runs = [r for r in layout.runs(owned_ranges, groups) if r.group >= 0]
+        self.positions = [to_shard(r.bucket, r.start) for r in self.runs]
+        self.master = self._make_master(shard_numel)
+        self.views = [
+            self._param_view(r, pos) for r, pos in zip(self.runs, self.positions, strict=True)
+        ]
+        for g, group_dict in enumerate(inner.param_groups):
+            group_dict["params"] = [
+                v for v, r in zip(self.views, self.runs, strict=True) if r.group == g
+            ]
+        inner.state.clear()
+        device = flat_params.flat.device
+        # Stand-ins for a rank whose chunks hold only padding (tiny model, many ranks).
+        self._true = torch.tensor(True, device=device)
+        self._zero = torch.zeros((), dtype=torch.float64, device=device)
+        self.last_norm: float | None = None
+        self.last_applied = True
+
+    def _make_master(self, shard_numel: int) -> torch.Tensor | None:
+        if self.flat_params.flat.dtype == torch.float32:
+            return None
+        master = torch.zeros(shard_numel, dtype=torch.float32, device=self.flat_params.flat.device)
+        for run, pos in zip(self.runs, self.positions, strict=True):
+            master[pos : pos + run.end - run.start].copy_(
+                self.flat_params.region(run.start, run.end)
+            )
+        return master
+
+    def _param_view(self, run, pos: int) -> torch.Tensor:
+        if self.master is None:
+            return self.flat_params.region(run.start, run.end)
+        return self.master[pos : pos + run.end - run.start]
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    def _owned_grads(self) -> list[torch.Tensor]:
+        grads = [
+            self.grads.view(r.start, r.end, pos)
+            for r, pos in zip(self.runs, self.positions, strict=True)
+        ]
+        return grads if self.master is None else [g.float() for g in grads]
+
+    def _agree(self, value: torch.Tensor, op: str) -> float:
+        """``value`` combined over the ranks that share the optimizer (one host sync)."""
+        if self.sharded:
+            dist.all_reduce(value, op=op, group=self.group)
+        return value.item()
+
+    def step(self) -> bool:
+        """One optimizer step over the owned shard; False when fp16 overflow skipped it."""
+        grads = self._owned_grads()
+        scale = self.loss_scaler.loss_scale
+        if self.loss_scaler.dynamic:
+            finite = torch.stack([torch.isfinite(g).all() for g in grads] or [self._true]).all()
+            if self._agree((~finite).double().reshape(1), "max") > 0:
+                self.loss_scaler.update_scale(True)
+                self.last_norm, self.last_applied = math.inf, False
+                return False
+        squares = torch.stack([g.double().pow(2).sum() for g in grads] or [self._zero])
+        squares = squares.sum().reshape(1)
+        norm = math.sqrt(self._agree(squares, "sum")) / scale
+        divisor = scale
+        if self.clip > 0 and norm + 1e-6 > self.clip:
+            divisor *= (norm + 1e-6) / self.clip
+        for view, grad in zip(self.views, grads, strict=True):
+            if divisor != 1.0:
+                grad.div_(divisor)
+            view.grad = grad
+        self.inner.step()
+        for view in self.views:
+            view.grad = None
+        self.loss_scaler.update_scale(False)
+        self.last_norm, self.last_applied = norm, True
+        self._publish()
+        return True
+
+    def _publish(self) -> None:
+        """Updated owned elements -> the 16-bit params (mixed precision) -> every rank."""
+        if self.master is not None:
+            for run, pos in zip(self.runs, self.positions, strict=True):
+                self.flat_params.region(run.start, run.end).copy_(
+                    self.master[pos : pos + run.end - run.start]
+                )
+        if not self.sharded:
+            return
+        handles = []
+        for bucket in self.layout.buckets:
+            region = self.flat_params.region(bucket.start, bucket.end)
+            if self.native_gather:
+                start, end = bucket.chunk(self.rank)
+                mine = region[start - bucket.start : end - bucket.start]
+                handles.append(
+                    dist.all_gather_into_tensor(region, mine, group=self.group, async_op=True)
+                )
+            else:
+                handles.append(dist.ring_all_gather(region, group=self.group, async_op=True))
+        for handle in handles:
+            handle.wait()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients live in the engine's buffers and are cleared at each accumulation cycle."""
+
+    def state_bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for s in self.inner.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        )
+
+    def master_bytes(self) -> int:
+        return 0 if self.master is None else self.master.numel() * self.master.element_size()

@@ -1,0 +1,128 @@
+"""Gradient hooks -> buckets -> collectives -> gradient storage.
+
+Phases of one backward:
+
+1. ``begin_backward(reduce)``: buckets return to EMPTY. ``reduce`` is false for a micro-batch
+   whose gradients only accumulate locally (stages 0-1 before the accumulation boundary).
+2. Hook, once per parameter gradient: the gradient is written into the storage (and the
+   autograd tensor dropped), the parameter's bucket is marked; a completed bucket becomes READY
+   and, with ``overlap_comm``, READY buckets are launched at once in index order, so their
+   collectives run on the backend's threads while autograd computes earlier layers.
+3. ``finish_backward()``: the one place that waits. Buckets still filling (parameters that got
+   no gradient this step) are launched with zeros in their place, every handle is waited in
+   order, results are scaled and delivered; buckets refilled by late gradients get a second
+   round.
+
+Without ``overlap_comm`` phase 2 only records readiness and every launch happens in phase 3.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerolap.zero.bucket import Bucket, BucketState
+from zerolap.zero.layout import FlatLayout
+
+__all__ = ["GradReducer"]
+
+
+class GradReducer:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        layout: FlatLayout,
+        storage,
+        reduction,
+        *,
+        overlap: bool,
+    ) -> None:
+        self.params = params  # in layout slot order
+        self.layout = layout
+        self.storage = storage
+        self.reduction = reduction
+        self.overlap = overlap
+        self.buckets = [Bucket(b) for b in layout.buckets]
+        self.reducing = False  # whether the current backward reduces
+        self._next_launch = 0  # buckets launch strictly in index order
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(slot))
+            for slot, p in enumerate(params)
+        ]
+
+    def _make_hook(self, slot: int):
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad(slot, param)
+
+        return hook
+
+    def begin_cycle(self) -> None:
+        """Start an accumulation cycle: gradients from zero."""
+        self.storage.zero()
+        for bucket in self.buckets:
+            bucket.delivered = False
+
+    def begin_backward(self, reduce: bool) -> None:
+        self.reducing = reduce
+        self._next_launch = 0
+        for bucket in self.buckets:
+            bucket.reset()
+
+    def _on_grad(self, slot: int, param: torch.Tensor) -> None:
+        grad = param.grad
+        param.grad = None  # the storage holds it from here; autograd's tensor is freed
+        bucket = self.buckets[self.layout.slots[slot].bucket]
+        if not self.reducing:
+            self.storage.write(bucket, slot, grad)
+            return
+        if bucket.state in (BucketState.REDUCING, BucketState.REDUCED):
+            self._finish(bucket)
+            bucket.refill_late(slot)
+        self.storage.write(bucket, slot, grad)
+        if bucket.mark_ready(slot) and self.overlap:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if bucket.state != BucketState.READY:
+                return
+            self._launch(bucket)
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        buffer = self.storage.buffer_for(bucket)
+        bucket.handle, bucket.finalize = self.reduction.launch(bucket, buffer)
+        bucket.move(BucketState.REDUCING)
+
+    def _finish(self, bucket: Bucket) -> None:
+        if bucket.state != BucketState.REDUCING:
+            return
+        bucket.handle.wait()
+        reduced, start, end = bucket.finalize()
+        self.storage.deliver(bucket, reduced, start, end)
+        bucket.handle = bucket.finalize = None
+        bucket.move(BucketState.REDUCED)
+
+    def finish_backward(self) -> None:
+        if not self.reducing:
+            return
+        first_round = self._next_launch
+        for bucket in self.buckets[first_round:]:
+            if bucket.state != BucketState.READY:
+                bucket.pending.clear()  # parameters without a gradient contribute zeros
+                bucket.move(BucketState.READY, "(flushed at the end of backward)")
+        self._launch_ready()
+        for bucket in self.buckets:
+            self._finish(bucket)
+        # Late gradients: buckets refilled after their round, reduced again in index order.
+        late = [b for b in self.buckets[:first_round] if b.state == BucketState.FILLING]
+        for bucket in late:
+            bucket.move(BucketState.READY)
+            self._launch(bucket)
+        for bucket in late:
+            self._finish(bucket)
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []

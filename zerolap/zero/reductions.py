@@ -1,0 +1,78 @@
+"""The collective that reduces one bucket, chosen once per engine.
+
+* ``AllReduceBuckets``: every rank receives the whole bucket's reduction (stage 0, and stages
+  1-2 with ``reduce_scatter: false``, which keep only their chunk of it).
+* ``ReduceScatterBuckets``: each rank receives only its chunk. On gloo it runs the ring phase of
+  ``zerolap.comm`` (gloo's own reduce-scatter moves as many bytes as an all-reduce); on NCCL the
+  native reduce-scatter.
+
+Both average: the bucket is multiplied by ``pre_factor`` before the sum and the result by
+``post_factor`` after, which is how ``gradient_predivide_factor`` and ``prescale_gradients`` trade
+overflow risk against rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import zerolap.comm as dist
+from zerolap.zero.bucket import Bucket
+
+__all__ = ["AllReduceBuckets", "ReduceScatterBuckets", "scale_factors"]
+
+# What a launched reduction returns: the handle, and a function that (after wait) scales the
+# result and returns (reduced tensor, flat start, flat end).
+Launched = tuple[object, Callable[[], tuple[torch.Tensor, int, int]]]
+
+
+def scale_factors(world_size: int, *, predivide: float, prescale: bool) -> tuple[float, float]:
+    """(pre, post) multipliers whose product is 1 / world_size."""
+    if prescale:
+        return 1.0 / world_size, 1.0
+    return 1.0 / predivide, predivide / world_size
+
+
+def _scale(tensor: torch.Tensor, factor: float) -> None:
+    if factor != 1.0:
+        tensor.mul_(factor)
+
+
+class AllReduceBuckets:
+    def __init__(self, group, *, pre: float, post: float) -> None:
+        self.group, self.pre, self.post = group, pre, post
+
+    def launch(self, bucket: Bucket, buffer: torch.Tensor) -> Launched:
+        _scale(buffer, self.pre)
+        handle = dist.all_reduce(buffer, group=self.group, async_op=True)
+
+        def result():
+            _scale(buffer, self.post)
+            return buffer, bucket.layout.start, bucket.layout.end
+
+        return handle, result
+
+
+class ReduceScatterBuckets:
+    def __init__(self, group, rank: int, *, pre: float, post: float, native: bool) -> None:
+        self.group, self.rank, self.pre, self.post = group, rank, pre, post
+        self.native = native  # NCCL's reduce-scatter is bandwidth-optimal; gloo's is not
+
+    def launch(self, bucket: Bucket, buffer: torch.Tensor) -> Launched:
+        _scale(buffer, self.pre)
+        start, end = bucket.layout.chunk(self.rank)
+        offset = start - bucket.layout.start
+        if self.native:
+            out = torch.empty(end - start, dtype=buffer.dtype, device=buffer.device)
+            handle = dist.reduce_scatter_tensor(out, buffer, group=self.group, async_op=True)
+        else:
+            # The ring leaves chunk r of the bucket holding rank r's reduction.
+            out = buffer[offset : offset + end - start]
+            handle = dist.ring_reduce_scatter(buffer, group=self.group, async_op=True)
+
+        def result():
+            _scale(out, self.post)
+            return out, start, end
+
+        return handle, result
