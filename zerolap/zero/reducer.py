@@ -20,10 +20,22 @@ from __future__ import annotations
 
 import torch
 
+import time
+from dataclasses import dataclass
+
 from zerolap.zero.bucket import Bucket, BucketState
 from zerolap.zero.layout import FlatLayout
 
-__all__ = ["GradReducer"]
+__all__ = ["BackwardTiming", "GradReducer"]
+
+
+@dataclass(frozen=True)
+class BackwardTiming:
+    """When autograd finished (``time.perf_counter``) and how long ``finish_backward`` then
+    blocked on collectives: the communication that backward's compute did not hide."""
+
+    compute_end: float
+    exposed_wait_s: float
 
 
 class GradReducer:
@@ -44,6 +56,7 @@ class GradReducer:
         self.buckets = [Bucket(b) for b in layout.buckets]
         self.reducing = False  # whether the current backward reduces
         self._next_launch = 0  # buckets launch strictly in index order
+        self.last_timing: BackwardTiming | None = None  # of the last reducing backward
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(slot))
             for slot, p in enumerate(params)
@@ -106,6 +119,7 @@ class GradReducer:
     def finish_backward(self) -> None:
         if not self.reducing:
             return
+        compute_end = time.perf_counter()
         first_round = self._next_launch
         for bucket in self.buckets[first_round:]:
             if bucket.state != BucketState.READY:
@@ -121,6 +135,7 @@ class GradReducer:
             self._launch(bucket)
         for bucket in late:
             self._finish(bucket)
+        self.last_timing = BackwardTiming(compute_end, time.perf_counter() - compute_end)
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
