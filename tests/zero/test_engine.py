@@ -233,9 +233,11 @@ def check_errors_before_training() -> None:
     with pytest.raises(ConfigError, match="no optimizer"):
         zerolap.initialize(model=wide_mlp(), config={"train_batch_size": 8 * dist.get_world_size()})
     engine, *_ = zerolap.initialize(model=wide_mlp(), config=_config(2))
-    with pytest.raises(RuntimeError, match="no_sync is not possible with ZeRO stage 2"):
-        with engine.no_sync():
-            pass
+    with (
+        pytest.raises(RuntimeError, match="no_sync is not possible with ZeRO stage 2"),
+        engine.no_sync(),
+    ):
+        pass
     mixed = wide_mlp()
     mixed[0].half()
     with pytest.raises(ValueError, match="must share one dtype"):

@@ -18,10 +18,10 @@ Without ``overlap_comm`` phase 2 only records readiness and every launch happens
 
 from __future__ import annotations
 
-import torch
-
 import time
 from dataclasses import dataclass
+
+import torch
 
 from zerolap.zero.bucket import Bucket, BucketState
 from zerolap.zero.layout import FlatLayout
