@@ -54,6 +54,15 @@ __all__ = [
 
 Group = torch_dist.ProcessGroup | None
 
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); older releases have only
+# the old names.
+_all_gather_flat = getattr(torch_dist, "all_gather_single", None) or (
+    torch_dist.all_gather_into_tensor
+)
+_reduce_scatter_flat = getattr(torch_dist, "reduce_scatter_single", None) or (
+    torch_dist.reduce_scatter_tensor
+)
+
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
@@ -192,7 +201,7 @@ def all_gather_into_tensor(
         op,
         info,
         output_tensor,
-        lambda: torch_dist.all_gather_single(output_tensor, input_tensor, group, async_op=True),
+        lambda: _all_gather_flat(output_tensor, input_tensor, group, async_op=True),
         async_op,
     )
 
@@ -237,7 +246,7 @@ def reduce_scatter_tensor(
         name,
         info,
         input,
-        lambda: torch_dist.reduce_scatter_single(output, input, native, group, async_op=True),
+        lambda: _reduce_scatter_flat(output, input, native, group, async_op=True),
         async_op,
         finalize=_divider(output, op, info),
     )
