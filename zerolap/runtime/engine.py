@@ -176,6 +176,7 @@ class ZerolapEngine(torch.nn.Module):
             clip=self.config.gradient_clipping,
             loss_scaler=self.loss_scaler,
             native_gather=dist.get_backend(self.group) == "nccl",
+            allgather_numel=self.config.zero_optimization.allgather_bucket_size,
         )
 
     # -- training -----------------------------------------------------------------------------

@@ -12,12 +12,14 @@ Phases of ``step()``:
 3. global norm: squares summed over owned runs, all-reduced when the optimizer is sharded;
 4. unscale and clip in one multiply, then the inner optimizer steps;
 5. mixed precision: the master runs are copied back into the 16-bit parameters;
-6. sharded: each bucket of parameters is all-gathered from its owners.
+6. sharded: each bucket of parameters is all-gathered from its owners, asynchronously, with at
+   most ``allgather_bucket_size`` elements in flight.
 """
 
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 
 import torch
@@ -53,6 +55,7 @@ class ZeroOptimizer:
         clip: float,
         loss_scaler,
         native_gather: bool,
+        allgather_numel: int,
     ) -> None:
         self.inner = inner
         self.layout = layout
@@ -64,6 +67,7 @@ class ZeroOptimizer:
         self.clip = clip
         self.loss_scaler = loss_scaler
         self.native_gather = native_gather
+        self.allgather_numel = allgather_numel  # allgather_bucket_size
         groups = slot_groups(inner, params)
         self.runs = [r for r in layout.runs(owned_ranges, groups) if r.group >= 0]
         self.positions = [to_shard(r.bucket, r.start) for r in self.runs]

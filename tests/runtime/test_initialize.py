@@ -1,0 +1,162 @@
+"""``zerolap.initialize`` and the engine's DeepSpeed surface: the 4-tuple, optimizer and
+scheduler sources, config sources, accessors, attribute forwarding, GatheredParameters."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import warnings
+
+import pytest
+import torch
+
+import zerolap
+import zerolap.comm as dist
+from zerolap.config import ConfigError
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model.answer = 42
+    return model
+
+
+BASE = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2}
+
+
+def check_four_tuple_and_accessors(tmp: str) -> dict:
+    rank, n = dist.get_rank(), dist.get_world_size()
+    data = torch.utils.data.TensorDataset(torch.arange(16.0).reshape(16, 1).repeat(1, 4))
+    config = dict(
+        BASE,
+        optimizer={"type": "SGD", "params": {"lr": 0.1}},
+        scheduler={
+            "type": "WarmupLR",
+            "params": {
+                "warmup_min_lr": 0.0,
+                "warmup_max_lr": 0.1,
+                "warmup_num_steps": 4,
+                "warmup_type": "linear",
+            },
+        },
+        zero_optimization={"stage": 1},
+    )
+    path = f"{tmp}/ds_config_{rank}.json"
+    with open(path, "w") as f:
+        json.dump(config, f)
+    args = argparse.Namespace(deepspeed=True, deepspeed_config=path)
+    engine, optimizer, loader, scheduler = zerolap.initialize(
+        args=args, model=_model(), training_data=data
+    )
+    assert isinstance(engine, zerolap.DeepSpeedEngine)
+    assert optimizer is engine.optimizer and scheduler is engine.lr_scheduler
+    seen = [batch[0][:, 0].tolist() for batch in loader]
+    assert len(seen) == 16 // (2 * n) and all(len(b) == 2 for b in seen)
+    assert engine.answer == 42  # forwarded to the module
+    assert (
+        engine.train_batch_size(),
+        engine.train_micro_batch_size_per_gpu(),
+        engine.gradient_accumulation_steps(),
+    ) == (4 * n, 2, 2)
+    assert engine.zero_optimization_stage() == 1
+    assert engine.world_size == n and engine.global_rank == rank
+    lrs = []
+    for batch in loader:
+        assert engine.is_gradient_accumulation_boundary() == (engine.micro_steps % 2 == 1)
+        engine.backward(engine(batch[0]).mean())
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    assert engine.global_steps == len(seen) // 2 and engine.micro_steps == len(seen)
+    assert engine.global_samples == engine.global_steps * 4 * n
+    assert engine.was_step_applied() and engine.get_global_grad_norm() > 0
+    return {"samples": sorted(x for b in seen for x in b), "lrs": lrs}
+
+
+def test_initialize_returns_the_four_tuple(ranks, tmp_path):
+    results = ranks(2).run(check_four_tuple_and_accessors, str(tmp_path))
+    # The sampler splits the data between ranks, each sample once.
+    assert sorted(results[0]["samples"] + results[1]["samples"]) == [float(i) for i in range(16)]
+    # WarmupLR (linear over 4 steps) advances once per optimizer step, not per micro-batch:
+    # DeepSpeed's counting gives max_lr * i / 4 after step i + 1.
+    assert results[0]["lrs"] == pytest.approx([0.0, 0.0, 0.0, 0.025])
+
+
+def check_optimizer_and_scheduler_sources() -> None:
+    model = _model()
+    client = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(client, step_size=1, gamma=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        engine, opt, _, returned = zerolap.initialize(
+            model=model,
+            optimizer=client,
+            lr_scheduler=sched,
+            config=dict(BASE, optimizer={"type": "AdamW", "params": {"lr": 1.0}}),
+        )
+    if dist.get_rank() == 0:
+        assert any("overrides ds_config's optimizer.type=AdamW" in str(w.message) for w in caught)
+    assert opt.inner is client and returned is sched
+    for _ in range(2):
+        engine.backward(engine(torch.ones(2, 4)).mean())
+        engine.step()
+    assert engine.get_lr() == [0.25]  # the client's scheduler drives the client's optimizer
+    engine, opt, _, sched = zerolap.initialize(
+        model=_model(),
+        config=BASE,
+        optimizer=lambda params: torch.optim.Adam(params, lr=0.01),
+        lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.5),
+    )
+    assert isinstance(opt.inner, torch.optim.Adam) and engine.get_lr() == [0.005]
+
+
+def test_optimizer_and_scheduler_sources(ranks):
+    ranks(2).run(check_optimizer_and_scheduler_sources)
+
+
+def check_config_sources_and_warning() -> None:
+    with pytest.raises(ConfigError, match="no ds_config"):
+        zerolap.initialize(model=_model())
+    args = argparse.Namespace(deepspeed_config="x.json")
+    with pytest.raises(ConfigError, match="given twice"):
+        zerolap.initialize(args=args, model=_model(), config=BASE)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zerolap.initialize(
+            model=_model(),
+            config_params=dict(
+                BASE,
+                optimizer={"type": "SGD", "params": {"lr": 0.1}},
+                flops_profiler={"enabled": True},
+                tensorboard={"enabled": True},
+            ),
+        )
+    messages = [str(w.message) for w in caught if "does not implement" in str(w.message)]
+    if dist.get_rank() == 0:
+        assert len(messages) == 1 and "flops_profiler" in messages[0]
+        assert "tensorboard" in messages[0]
+    else:
+        assert messages == []
+
+
+def test_config_sources_and_unsupported_key_warning(ranks):
+    ranks(2).run(check_config_sources_and_warning)
+
+
+def check_gathered_parameters_modifier_rank() -> list[float]:
+    engine, *_ = zerolap.initialize(
+        model=_model(),
+        config=dict(
+            BASE, optimizer={"type": "SGD", "params": {"lr": 0.1}}, zero_optimization={"stage": 2}
+        ),
+    )
+    weight = engine.module[0].bias
+    with zerolap.zero.GatheredParameters(weight, modifier_rank=1) as params, torch.no_grad():
+        assert params == [weight]
+        params[0].fill_(float(dist.get_rank() + 7))
+    return weight.tolist()
+
+
+def test_gathered_parameters_broadcasts_the_modifier(ranks):
+    for values in ranks(2).run(check_gathered_parameters_modifier_rank):
+        assert values == [8.0] * 8
