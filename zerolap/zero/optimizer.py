@@ -19,7 +19,6 @@ Phases of ``step()``:
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Callable
 
 import torch
