@@ -35,14 +35,27 @@ class GroupInfo:
         )
 
 
+# A group's members never change, so its facts are looked up once (each lookup is a call into
+# torch that costs microseconds on every collective otherwise). Cleared when groups go away.
+_group_infos: dict[object, GroupInfo] = {}
+
+
+def forget_groups() -> None:
+    _group_infos.clear()
+
+
 def check_group(op: str, group: torch_dist.ProcessGroup | None) -> GroupInfo:
     require_initialized(op)
+    info = _group_infos.get(group)
+    if info is not None:
+        return info
     if group is not None and torch_dist.get_rank(group) < 0:
         raise ValueError(
             f"{op}: rank {torch_dist.get_rank()} is not a member of group ranks "
             f"{group_ranks(group)}"
         )
-    return GroupInfo(group)
+    info = _group_infos[group] = GroupInfo(group)
+    return info
 
 
 def check_tensor(op: str, name: str, tensor: object, info: GroupInfo) -> torch.Tensor:

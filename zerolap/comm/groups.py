@@ -165,5 +165,8 @@ def barrier(group: torch_dist.ProcessGroup | None = None) -> None:
 
 
 def destroy_process_group(group: torch_dist.ProcessGroup | None = None) -> None:
+    from zerolap.comm.checks import forget_groups
+
+    forget_groups()
     if torch_dist.is_initialized():
         torch_dist.destroy_process_group(group)

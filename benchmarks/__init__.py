@@ -1,0 +1,1 @@
+"""Scripts that measure zerolap against its peers and print the ratios."""
