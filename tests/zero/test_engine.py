@@ -71,6 +71,9 @@ def test_memory_per_rank_matches_the_zero_formulas(ranks):
             assert row["total_bytes"] <= row["zero_formula_bytes"] * 1.01, row
             if row["stage"] == 2:
                 assert row["grads_bytes"] == pytest.approx(psi * 4 / n, rel=0.02), row
+                # Plus a few reusable bucket buffers, each the largest bucket: a 128 x 128
+                # weight exceeds reduce_bucket_size and gets a bucket of its own.
+                assert 0 < row["bucket_buffer_bytes"] <= 4 * 128 * 128 * 4, row
 
 
 def check_wire_bytes_per_step(stage: int, reduce_scatter: bool) -> tuple[int, int]:

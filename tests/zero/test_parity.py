@@ -80,3 +80,68 @@ def check_parity() -> list[str]:
 def test_parity_with_single_process(ranks, world_size):
     failures = ranks(world_size).run(check_parity, timeout=240)
     assert failures == [[]] * world_size, "\n".join(failures[0])
+
+
+class SharedInCheckpoint(torch.nn.Module):
+    """``shared`` is used inside a reentrant-checkpointed block and again outside it, so its
+    gradient is accumulated twice in one backward (the inner backward runs separately)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first = torch.nn.Linear(6, 6)
+        self.head = torch.nn.Linear(6, 1)
+        # Registered last, so its buckets launch first: the inner backward's gradient arrives
+        # after the bucket's reduction started (a late gradient, reduced in a second round).
+        self.shared = torch.nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(lambda t: torch.tanh(self.shared(self.first(t))), x, use_reentrant=True)
+        return self.head(self.shared(h))
+
+
+def _batch(step: int, size: int) -> torch.Tensor:
+    return torch.randn(size, 6, generator=torch.Generator().manual_seed(step), requires_grad=True)
+
+
+def check_gradients_arriving_twice() -> list[str]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    failures = []
+    for stage, overlap in itertools.product([0, 1, 2], [True, False]):
+        reference = SharedInCheckpoint()
+        ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+        config = {
+            "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}},
+            "zero_optimization": {
+                "stage": stage,
+                "overlap_comm": overlap,
+                "reduce_bucket_size": 40,
+            },
+        }
+        engine, *_ = zerolap.initialize(model=SharedInCheckpoint(), config=config)
+        for step in range(STEPS):
+            x = _batch(step, 4 * world)
+            mine = x[rank * 4 : rank * 4 + 4].detach().requires_grad_()
+            # Two backward calls before one step: their gradients add up.
+            for half in (mine[:2], mine[2:]):
+                engine.backward(0.5 * engine(half).pow(2).mean())
+            engine.step()
+            ref_opt.zero_grad(set_to_none=False)
+            reference(x).pow(2).mean().backward()
+            ref_opt.step()
+        worst = max(
+            (a - b).abs().max().item()
+            for a, b in zip(engine.module.parameters(), reference.parameters(), strict=True)
+        )
+        if worst > 1e-5:
+            failures.append(f"stage {stage} overlap {overlap}: max |diff| {worst:.2e}")
+    return failures
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gradients_arriving_twice_accumulate(ranks, world_size):
+    failures = ranks(world_size).run(check_gradients_arriving_twice)
+    assert failures == [[]] * world_size, "\n".join(failures[0])

@@ -55,7 +55,8 @@ class Handle:
             return True
         try:
             if isinstance(self._work, Future):
-                self._work.result(None if timeout is None else timeout.total_seconds())
+                result = self._work.result(None if timeout is None else timeout.total_seconds())
+                self.value = result if self.value is None else self.value
             elif timeout is None:
                 self._work.wait()
             else:

@@ -159,8 +159,7 @@ def _run(name: str, tensor: torch.Tensor, group, async_op: bool, body):
         future = channel.submit(work)
     handle = Handle(future, lambda: info.describe(name), record=record)
     if async_op:
-        future.add_done_callback(lambda f: setattr(handle, "value", f.result()))
-        return handle
+        return handle  # its value (the result) is set by wait()
     handle.wait()
     return future.result()
 

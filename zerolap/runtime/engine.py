@@ -206,7 +206,11 @@ class ZerolapEngine(torch.nn.Module):
         return loss
 
     def _expose_grads(self) -> None:
-        """Stages 0-1 keep full gradients: show them as ``param.grad`` views, as DDP does."""
+        """Full gradients all-reduced (stage 0, or stage 1 without reduce_scatter) are shown as
+        ``param.grad`` views, as DDP does. After a reduce-scatter only the own chunks hold the
+        average, so ``param.grad`` stays None, as in DeepSpeed."""
+        if self.plan.reduce_scatter:
+            return
         for slot, param in enumerate(self.params):
             grad = self.grads.param_grad(slot)
             if grad is not None:
@@ -217,6 +221,7 @@ class ZerolapEngine(torch.nn.Module):
         if self.is_gradient_accumulation_boundary():
             for param in self.params:
                 param.grad = None
+            self.grads.settle()
             applied = self.optimizer.step()
             if applied:
                 if self.lr_scheduler is not None:

@@ -41,11 +41,13 @@ class MemoryBreakdown:
     grads_bytes: int
     master_bytes: int
     optimizer_state_bytes: int
+    bucket_buffer_bytes: int  # reusable communication buffers, not model state
     expected_bytes: float  # zerolap's formula for this stage and precision (see module doc)
     zero_formula_bytes: float  # the ZeRO / DeepSpeed formula, with an fp32 master copy
 
     @property
     def total_bytes(self) -> int:
+        """Model state: parameters, gradients, master weights and optimizer state."""
         return self.params_bytes + self.grads_bytes + self.master_bytes + self.optimizer_state_bytes
 
     def as_dict(self) -> dict:
@@ -68,6 +70,7 @@ def measure_memory(engine) -> MemoryBreakdown:
         grads_bytes=engine.grads.nbytes(),
         master_bytes=engine.optimizer.master_bytes(),
         optimizer_state_bytes=engine.optimizer.state_bytes(),
+        bucket_buffer_bytes=engine.grads.buffer_bytes(),
         expected_bytes=zero_formula_bytes(stage, numel, n, master=4 if mixed else 0, **formula),
         zero_formula_bytes=zero_formula_bytes(
             stage, numel, n, master=4 if (mixed or stage > 0) else 0, **formula

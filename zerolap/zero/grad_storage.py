@@ -7,13 +7,17 @@ Two kinds, chosen once per ZeRO stage:
   are reduced in place at the accumulation boundary (through a cast copy when the communication
   dtype differs).
 * ``ShardGradients`` (stage 2): only this rank's shard is kept. Each bucket collects its
-  gradients in a short-lived buffer that is reduce-scattered every micro-batch; the owned chunk is
-  added into the shard and the buffer is dropped, so memory for the other ranks' gradients lives
-  only while their bucket is in flight.
+  gradients in a buffer from a small pool, reduce-scattered every micro-batch; the owned chunk is
+  added into the shard and the buffer goes back to the pool. Memory for the other ranks'
+  gradients is a few bucket buffers, whatever the model's size.
 
-Both obey one rule: the first round of a bucket in an accumulation cycle may reduce in place;
-any later round (a second backward before ``step()``, a late gradient) reduces only the new
-gradients in a fresh zeroed buffer and *adds* the result.
+Rules both follow:
+* The first gradient written to a place in a round is copied, later ones are added, so nothing
+  is zeroed up front; places that got no gradient (unused parameters, padding) are zeroed just
+  before the bucket is launched.
+* The first round of a bucket in an accumulation cycle may reduce in place; any later round (a
+  second backward before ``step()``, a late gradient) reduces only the new gradients in a fresh
+  zeroed buffer and *adds* the result.
 """
 
 from __future__ import annotations
@@ -26,6 +30,11 @@ from zerolap.zero.layout import FlatLayout
 __all__ = ["FullGradients", "ShardGradients"]
 
 
+def _slot_range(layout: FlatLayout, slot: int) -> tuple[int, int]:
+    place = layout.slots[slot]
+    return place.offset, place.offset + place.numel
+
+
 class FullGradients:
     def __init__(
         self, layout: FlatLayout, *, dtype: torch.dtype, comm_dtype: torch.dtype, device
@@ -33,22 +42,36 @@ class FullGradients:
         self.layout = layout
         self.comm_dtype = comm_dtype
         self.flat = torch.zeros(layout.numel, dtype=dtype, device=device)
+        self.unwritten = set(range(len(layout.slots)))  # slots with no gradient this cycle
+
+    def has_free_buffer(self) -> bool:
+        return True  # reduces in place
 
     def write(self, bucket: Bucket, slot: int, grad: torch.Tensor) -> None:
-        place = self.layout.slots[slot]
+        start, end = _slot_range(self.layout, slot)
         if bucket.delivered:
             if bucket.buffer is None:
                 bucket.buffer = torch.zeros(
                     bucket.layout.numel, dtype=self.comm_dtype, device=self.flat.device
                 )
-            start = place.offset - bucket.layout.start
-            bucket.buffer[start : start + place.numel].add_(grad.reshape(-1))
+            offset = bucket.layout.start
+            bucket.buffer[start - offset : end - offset].add_(grad.reshape(-1))
+        elif slot in self.unwritten:
+            self.flat[start:end].copy_(grad.reshape(-1))
+            self.unwritten.discard(slot)
         else:
-            self.flat[place.offset : place.offset + place.numel].add_(grad.reshape(-1))
+            self.flat[start:end].add_(grad.reshape(-1))
+
+    def zero_unwritten(self, slots) -> None:
+        for slot in self.unwritten.intersection(slots):
+            start, end = _slot_range(self.layout, slot)
+            self.flat[start:end].zero_()
+        self.unwritten.difference_update(slots)
 
     def buffer_for(self, bucket: Bucket) -> torch.Tensor:
         if bucket.delivered:
             return bucket.buffer
+        self.zero_unwritten(bucket.layout.slots)
         region = self.flat[bucket.layout.start : bucket.layout.end]
         bucket.buffer = region if region.dtype == self.comm_dtype else region.to(self.comm_dtype)
         return bucket.buffer
@@ -68,14 +91,21 @@ class FullGradients:
         return self.flat[start:end]
 
     def param_grad(self, slot: int) -> torch.Tensor:
-        place = self.layout.slots[slot]
-        return self.flat[place.offset : place.offset + place.numel]
+        start, end = _slot_range(self.layout, slot)
+        return self.flat[start:end]
 
-    def zero(self) -> None:
-        self.flat.zero_()
+    def begin_cycle(self) -> None:
+        self.unwritten = set(range(len(self.layout.slots)))
+
+    def settle(self) -> None:
+        """Before the optimizer reads: places no micro-batch wrote hold zero."""
+        self.zero_unwritten(range(len(self.layout.slots)))
 
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
+
+    def buffer_bytes(self) -> int:
+        return 0  # buckets are regions of the flat buffer
 
 
 class ShardGradients:
@@ -87,6 +117,7 @@ class ShardGradients:
         dtype: torch.dtype,
         comm_dtype: torch.dtype,
         device,
+        max_buffers: int = 4,
     ) -> None:
         self.layout = layout
         self.rank = rank
@@ -94,21 +125,45 @@ class ShardGradients:
         self.device = device
         self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         self._shard_offsets = [layout.shard_offset(b.index) for b in layout.buckets]
+        self._buffer_numel = max((b.numel for b in layout.buckets), default=0)
+        self._free: list[torch.Tensor] = []  # pooled buffers of _buffer_numel elements
+        self._allocated = 0
+        self.max_buffers = max_buffers  # beyond this, the reducer finishes a bucket first
+        self._unwritten: dict[int, set[int]] = {}  # per bucket holding a buffer
+
+    def has_free_buffer(self) -> bool:
+        return bool(self._free) or self._allocated < self.max_buffers
+
+    def _acquire(self, bucket: Bucket) -> torch.Tensor:
+        if self._free:
+            full = self._free.pop()
+        else:
+            full = torch.empty(self._buffer_numel, dtype=self.comm_dtype, device=self.device)
+            self._allocated += 1
+        self._unwritten[bucket.index] = set(bucket.layout.slots)
+        return full[: bucket.layout.numel]
 
     def write(self, bucket: Bucket, slot: int, grad: torch.Tensor) -> None:
         if bucket.buffer is None:
-            bucket.buffer = torch.zeros(
-                bucket.layout.numel, dtype=self.comm_dtype, device=self.device
-            )
-        place = self.layout.slots[slot]
-        start = place.offset - bucket.layout.start
-        bucket.buffer[start : start + place.numel].add_(grad.reshape(-1))
+            bucket.buffer = self._acquire(bucket)
+        start, end = _slot_range(self.layout, slot)
+        place = bucket.buffer[start - bucket.layout.start : end - bucket.layout.start]
+        unwritten = self._unwritten[bucket.index]
+        if slot in unwritten:
+            place.copy_(grad.reshape(-1))
+            unwritten.discard(slot)
+        else:
+            place.add_(grad.reshape(-1))
 
     def buffer_for(self, bucket: Bucket) -> torch.Tensor:
         if bucket.buffer is None:  # no gradient arrived this round: contribute zeros
-            bucket.buffer = torch.zeros(
-                bucket.layout.numel, dtype=self.comm_dtype, device=self.device
-            )
+            bucket.buffer = self._acquire(bucket)
+        offset = bucket.layout.start
+        for slot in self._unwritten.pop(bucket.index):
+            start, end = _slot_range(self.layout, slot)
+            bucket.buffer[start - offset : end - offset].zero_()
+        last = bucket.layout.slots[-1]
+        bucket.buffer[_slot_range(self.layout, last)[1] - offset :].zero_()  # the padding
         return bucket.buffer
 
     def deliver(self, bucket: Bucket, reduced: torch.Tensor, start: int, end: int) -> None:
@@ -117,6 +172,7 @@ class ShardGradients:
         offset = self._shard_offsets[bucket.index]
         self.shard[offset : offset + piece.numel()].add_(piece)
         bucket.delivered = True
+        self._free.append(bucket.buffer._base if bucket.buffer._base is not None else bucket.buffer)
         bucket.buffer = None  # the other ranks' gradients are not kept past the reduction
 
     def view(self, start: int, end: int, shard_pos: int) -> torch.Tensor:
@@ -126,8 +182,15 @@ class ShardGradients:
     def param_grad(self, slot: int) -> None:
         return None  # a parameter's full gradient exists nowhere on this rank
 
-    def zero(self) -> None:
+    def begin_cycle(self) -> None:
         self.shard.zero_()
+
+    def settle(self) -> None:
+        """Nothing to do: the shard only ever receives delivered (complete) reductions."""
 
     def nbytes(self) -> int:
         return self.shard.numel() * self.shard.element_size()
+
+    def buffer_bytes(self) -> int:
+        itemsize = torch.empty((), dtype=self.comm_dtype).element_size()
+        return self._allocated * self._buffer_numel * itemsize

@@ -132,8 +132,9 @@ class ZeroOptimizer:
                 self.loss_scaler.update_scale(True)
                 self.last_norm, self.last_applied = math.inf, False
                 return False
-        squares = torch.stack([g.double().pow(2).sum() for g in grads] or [self._zero])
-        squares = squares.sum().reshape(1)
+        # One fused pass over the runs; squares summed in float64 across runs and ranks.
+        norms = torch._foreach_norm(grads) if grads else [self._zero]
+        squares = torch.stack([n.double() for n in norms]).pow(2).sum().reshape(1)
         norm = math.sqrt(self._agree(squares, "sum")) / scale
         divisor = scale
         if self.clip > 0 and norm + 1e-6 > self.clip:

@@ -70,7 +70,7 @@ class GradReducer:
 
     def begin_cycle(self) -> None:
         """Start an accumulation cycle: gradients from zero."""
-        self.storage.zero()
+        self.storage.begin_cycle()
         for bucket in self.buckets:
             bucket.delivered = False
 
@@ -90,6 +90,8 @@ class GradReducer:
         if bucket.state in (BucketState.REDUCING, BucketState.REDUCED):
             self._finish(bucket)
             bucket.refill_late(slot)
+        if bucket.buffer is None and not self.storage.has_free_buffer():
+            self._finish_oldest()  # bounds the memory held by buckets in flight
         self.storage.write(bucket, slot, grad)
         if bucket.mark_ready(slot) and self.overlap:
             self._launch_ready()
@@ -106,6 +108,12 @@ class GradReducer:
         buffer = self.storage.buffer_for(bucket)
         bucket.handle, bucket.finalize = self.reduction.launch(bucket, buffer)
         bucket.move(BucketState.REDUCING)
+
+    def _finish_oldest(self) -> None:
+        for bucket in self.buckets:
+            if bucket.state == BucketState.REDUCING:
+                self._finish(bucket)
+                return
 
     def _finish(self, bucket: Bucket) -> None:
         if bucket.state != BucketState.REDUCING:
@@ -129,9 +137,10 @@ class GradReducer:
         for bucket in self.buckets:
             self._finish(bucket)
         # Late gradients: buckets refilled after their round, reduced again in index order.
-        late = [b for b in self.buckets[:first_round] if b.state == BucketState.FILLING]
+        late = [b for b in self.buckets[:first_round] if b.state != BucketState.REDUCED]
         for bucket in late:
-            bucket.move(BucketState.READY)
+            if bucket.state == BucketState.FILLING:
+                bucket.move(BucketState.READY)
             self._launch(bucket)
         for bucket in late:
             self._finish(bucket)

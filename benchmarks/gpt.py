@@ -1,0 +1,118 @@
+"""A small GPT-style decoder for the benchmarks, and deterministic synthetic batches.
+
+Token and position embeddings, ``n_layer`` pre-LN blocks (causal self-attention through
+``scaled_dot_product_attention``, then a GELU MLP), a final LayerNorm and an LM head tied to the
+token embedding. ``build_gpt("small")`` (~5M parameters) is quick; ``build_gpt("42m")`` (~42M)
+matches the model the peers were measured on in FACTS.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPT", "PRESETS", "GPTConfig", "build_gpt", "synthetic_batch"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int
+    """Tokens in the vocabulary (also the LM head's output width)."""
+    seq_len: int
+    """Context length: tokens per sample."""
+    n_layer: int
+    """Transformer blocks."""
+    n_head: int
+    """Attention heads per block; must divide ``d_model``."""
+    d_model: int
+    """Width of the residual stream."""
+
+
+PRESETS: dict[str, GPTConfig] = {
+    "small": GPTConfig(vocab_size=4096, seq_len=128, n_layer=5, n_head=4, d_model=256),
+    "42m": GPTConfig(vocab_size=8192, seq_len=256, n_layer=12, n_head=8, d_model=512),
+}
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        if cfg.d_model % cfg.n_head:
+            raise ValueError(f"n_head={cfg.n_head} does not divide d_model={cfg.d_model}")
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        heads = self.qkv(x).view(batch, seq, 3, self.n_head, width // self.n_head)
+        q, k, v = heads.permute(2, 0, 3, 1, 4)  # each (batch, head, seq, head_dim)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.d_model, 4 * cfg.d_model),
+            nn.GELU(),
+            nn.Linear(4 * cfg.d_model, cfg.d_model),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # tied: one tensor, counted once
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of ``targets`` given ``tokens`` (both (batch, seq))."""
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def build_gpt(size: str, *, seed: int = 0) -> GPT:
+    """The preset ``size`` ("small" or "42m"), initialised from ``seed``: same seed, same
+    weights in every process."""
+    if size not in PRESETS:
+        raise ValueError(f"unknown GPT size {size!r}; presets: {', '.join(PRESETS)}")
+    torch.manual_seed(seed)
+    return GPT(PRESETS[size])
+
+
+def synthetic_batch(
+    cfg: GPTConfig, batch_size: int, *, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random tokens (inputs, next-token targets), a pure function of ``seed``."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=generator)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -1,0 +1,580 @@
+"""Training-step time, bytes on the wire and memory of zerolap's ZeRO stages against torch's DDP
+and ZeroRedundancyOptimizer, on a GPT decoder (``benchmarks/gpt.py``).
+
+Run from the repo root: ``python benchmarks/zero_bench.py [--quick] [--models small 42m]
+[--world-sizes 2 4] [--steps 5] [--rounds 1]``.
+
+Every system trains the same model, from the same seed, on the same synthetic batches (rank r of
+step s always sees the same tokens), with fp32 AdamW (lr 1e-4, weight decay 0.01, ``fused=True``,
+the default of zerolap's config-built AdamW) and 8 MB gradient buckets. Each system runs in fresh
+processes (gloo on localhost, one torch thread per rank, ``MALLOC_MMAP_THRESHOLD_`` set for all
+alike), so its peak RSS is its own. A "compute only" reference runs the same ranks with a plain
+AdamW and no communication at all: what a step would cost if communication were free. Per system:
+
+* step time: each step starts after a barrier and covers forward, backward and optimizer step;
+  a step's time is its slowest rank's; the table shows the median over the measured steps
+  (after ``--warmup`` steps), pooled over ``--rounds`` (each round runs the systems in the
+  opposite order of the previous one).
+* other load: CPU cores busy with *other* processes during the measured steps (the machine's
+  busy time from /proc/stat minus the ranks' own CPU time). Above ~0.2 the step times of that
+  row are inflated by whatever else ran on this 2-core machine; such a run is repeated
+  (``--retries``) and the least disturbed one kept.
+* wire bytes: for zerolap, the ``wire_bytes`` of the comms-logger records of one extra step run
+  with the logger on (mean over ranks); for the torch systems, the ring formula (DDP's
+  all-reduce: 2; ZeroRedundancyOptimizer adds a broadcast of every parameter from its owner: 3).
+  Both in units of Psi(N-1)/N * 4 bytes.
+* model state: tensor bytes of parameters, gradients and optimizer state held after the step
+  (zerolap: ``engine.memory_breakdown()``), max over ranks.
+* peak RSS: the kernel's high-water mark of each rank's resident set (``ru_maxrss``), max over
+  ranks.
+* loss: the mean over ranks of the last step's loss, and the largest difference from DDP's loss
+  over all steps (fp32 data parallelism should agree to ~1e-5).
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import queue
+import socket
+import statistics
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks.gpt`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+__all__ = ["SYSTEMS", "RunSpec", "System", "SystemResult", "main"]
+
+MIB = 1 << 20
+LR = 1e-4
+WEIGHT_DECAY = 0.01  # given explicitly to every system (zerolap's AdamW would default to 0)
+BUCKET_NUMEL = 2_000_000  # zerolap reduce_bucket_size: 8 MB of fp32 ...
+BUCKET_MB = 8  # ... and DDP's bucket_cap_mb
+ENV = {"MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1"}
+# Micro-batch per model at world size 2, chosen so that a step takes about a second on one
+# thread; at world size N it is scaled by 2/N, since N ranks share this machine's two cores.
+MICRO_BATCH_AT_2 = {"small": 16, "42m": 1}
+QUICK_MICRO_BATCH = 4
+TIMEOUT_S = 600.0
+# A run during which other processes kept more than this many cores busy is run again.
+DISTURBED_CORES = 0.25
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    kind: str  # "local", "ddp", "torch_zero" or "zerolap"
+    stage: int = 0  # zerolap's ZeRO stage
+    reduce_scatter: bool = True  # zerolap's zero_optimization.reduce_scatter
+
+
+SYSTEMS: tuple[System, ...] = (
+    System("compute only (no communication)", "local"),
+    System("torch DDP", "ddp"),
+    System("torch ZeroRedundancyOptimizer", "torch_zero"),
+    System("zerolap stage 0", "zerolap", stage=0),
+    System("zerolap stage 1", "zerolap", stage=1),
+    System("zerolap stage 2", "zerolap", stage=2),
+    System("zerolap stage 2, reduce_scatter=false", "zerolap", stage=2, reduce_scatter=False),
+)
+# Theoretical bytes sent per rank per step for the torch systems, in units of Psi(N-1)/N * 4.
+THEORY_WIRE_UNITS = {"local": 0.0, "ddp": 2.0, "torch_zero": 3.0}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    model: str
+    world_size: int
+    micro_batch: int
+    warmup: int
+    steps: int  # measured steps; one more (comms-logged) step follows them
+
+    @property
+    def total_steps(self) -> int:
+        return self.warmup + self.steps + 1
+
+
+@dataclass
+class RankResult:
+    numel: int  # model parameters
+    step_s: list[float]  # every step, warm-up and logged step included
+    losses: list[float]
+    wire_bytes: int | None  # sent in the logged step (zerolap only)
+    state_bytes: int
+    peak_rss_bytes: int
+    window_s: float  # wall time of the measured steps
+    window_cpu_s: float  # this process's CPU time over them
+    window_busy_s: float  # the whole machine's busy CPU time over them (rank 0 only)
+
+
+@dataclass
+class SystemResult:
+    system: System
+    step_s: float = float("nan")
+    other_load: float = float("nan")  # cores used by other processes while measuring
+    wire_units: float = float("nan")
+    wire_measured: bool = False
+    state_mib: float = float("nan")
+    peak_rss_mib: float = float("nan")
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0  # wall time of the system's runs, spawn included
+    error: str | None = None
+
+
+# -- inside each rank ----------------------------------------------------------------------------
+
+
+def _tensor_bytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _optimizer_state_tensors(optimizer):
+    import torch
+
+    for state in optimizer.state.values():
+        yield from (t for t in state.values() if isinstance(t, torch.Tensor))
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds all cores of this machine spent busy since boot (/proc/stat)."""
+    with open("/proc/stat") as stat:
+        fields = [int(v) for v in stat.readline().split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    busy = sum(fields[:8]) - idle  # user nice system idle iowait irq softirq steal
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+def _cpu_s() -> float:
+    """CPU seconds of this process, all its threads (gloo's included)."""
+    return time.process_time()
+
+
+@dataclass
+class _Trainer:
+    step: Callable  # (inputs, targets) -> loss as a float
+    state_bytes: Callable[[], int]
+    logged: bool  # whether the comms logger can measure this system's wire bytes
+
+
+def _torch_trainer(system: System, model) -> _Trainer:
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    adamw = dict(lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+    wrapped = (
+        model if system.kind == "local" else DistributedDataParallel(model, bucket_cap_mb=BUCKET_MB)
+    )
+    if system.kind == "torch_zero":
+        optimizer = ZeroRedundancyOptimizer(
+            wrapped.parameters(), optimizer_class=torch.optim.AdamW, **adamw
+        )
+        local = optimizer.optim  # the state of this rank's partition
+    else:
+        optimizer = local = torch.optim.AdamW(wrapped.parameters(), **adamw)
+
+    def step(inputs, targets) -> float:
+        optimizer.zero_grad(set_to_none=True)
+        loss = wrapped(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    def state_bytes() -> int:
+        params = list(model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        states = _optimizer_state_tensors(local)
+        return _tensor_bytes(params) + _tensor_bytes(grads) + _tensor_bytes(states)
+
+    return _Trainer(step, state_bytes, logged=False)
+
+
+def _zerolap_trainer(system: System, model, micro_batch: int) -> _Trainer:
+    import zerolap
+
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {
+            "type": "AdamW",
+            "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "fused": True},
+        },
+        "zero_optimization": {
+            "stage": system.stage,
+            "overlap_comm": True,
+            "reduce_scatter": system.reduce_scatter,
+            "reduce_bucket_size": BUCKET_NUMEL,
+        },
+    }
+    engine, _, _, _ = zerolap.initialize(model=model, config=config)
+
+    def step(inputs, targets) -> float:
+        loss = engine(inputs, targets)
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    return _Trainer(step, lambda: engine.memory_breakdown().total_bytes, logged=True)
+
+
+def _train(rank: int, spec: RunSpec, system: System, port: int) -> RankResult:
+    import resource
+
+    import torch.distributed as torch_dist
+
+    import zerolap.comm as dist
+    from benchmarks.gpt import PRESETS, build_gpt, synthetic_batch
+
+    dist.init_distributed(
+        dist_backend="gloo",
+        rank=rank,
+        world_size=spec.world_size,
+        init_method=f"tcp://127.0.0.1:{port}",
+        verbose=False,
+    )
+    model = build_gpt(spec.model, seed=0)
+    numel = sum(p.numel() for p in model.parameters())
+    batches = [
+        synthetic_batch(PRESETS[spec.model], spec.micro_batch, seed=step * 1000 + rank)
+        for step in range(spec.total_steps)
+    ]
+    if system.kind == "zerolap":
+        trainer = _zerolap_trainer(system, model, spec.micro_batch)
+    else:
+        trainer = _torch_trainer(system, model)
+    step_s, losses, wire_bytes = [], [], None
+    window: dict[str, float] = {}
+    for index, (inputs, targets) in enumerate(batches):
+        logging = trainer.logged and index == spec.total_steps - 1
+        if logging:
+            dist.reset_log()
+            dist.configure(enabled=True)
+        torch_dist.barrier()  # not through zerolap.comm: the logger must not see it
+        if index in (spec.warmup, spec.warmup + spec.steps):  # the measured window's ends
+            ends = {"wall": time.perf_counter(), "cpu": _cpu_s(), "busy": _machine_busy_s()}
+            window = {k: v - window.get(k, 0.0) for k, v in ends.items()}
+        start = time.perf_counter()
+        losses.append(trainer.step(inputs, targets))
+        step_s.append(time.perf_counter() - start)
+        if logging:
+            dist.configure(enabled=False)
+            wire_bytes = sum(r.wire_bytes for r in dist.COMMS_LOGGER.records)
+    state_bytes = trainer.state_bytes()
+    torch_dist.barrier()
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return RankResult(
+        numel=numel,
+        step_s=step_s,
+        losses=losses,
+        wire_bytes=wire_bytes,
+        state_bytes=state_bytes,
+        peak_rss_bytes=peak_rss,
+        window_s=window["wall"],
+        window_cpu_s=window["cpu"],
+        window_busy_s=window["busy"] if rank == 0 else 0.0,
+    )
+
+
+def _rank_main(rank: int, spec: RunSpec, system: System, port: int, results) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, True, _train(rank, spec, system, port)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+# -- the launcher --------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _spawn(spec: RunSpec, system: System) -> list[RankResult]:
+    """Run ``system`` on ``spec.world_size`` fresh processes; their results in rank order."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(rank, spec, system, port, results), daemon=True)
+        for rank in range(spec.world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    answers: dict[int, RankResult] = {}
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while len(answers) < spec.world_size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in answers and not p.is_alive()]
+                if dead or time.monotonic() > deadline:
+                    what = f"ranks {dead} exited" if dead else f"no answer in {TIMEOUT_S:.0f}s"
+                    raise RuntimeError(what) from None
+                continue
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            answers[rank] = value
+    finally:
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(timeout=5)
+    return [answers[r] for r in range(spec.world_size)]
+
+
+def _other_load(ranks: list[RankResult]) -> float:
+    """Cores busy with other processes while ``ranks`` were measured."""
+    own_cpu_s = sum(r.window_cpu_s for r in ranks)
+    return max(0.0, ranks[0].window_busy_s - own_cpu_s) / ranks[0].window_s
+
+
+def _median_step_s(spec: RunSpec, ranks: list[RankResult]) -> float:
+    measured = range(spec.warmup, spec.warmup + spec.steps)
+    return statistics.median(max(r.step_s[i] for r in ranks) for i in measured)
+
+
+def summarise(spec: RunSpec, system: System, rounds: list[list[RankResult]]) -> SystemResult:
+    """One row from every round's per-rank results."""
+    n = spec.world_size
+    measured = range(spec.warmup, spec.warmup + spec.steps)
+    slowest = [max(r.step_s[i] for r in ranks) for ranks in rounds for i in measured]
+    first = rounds[0]  # wire bytes and losses do not change between rounds
+    unit = first[0].numel * (n - 1) / n * 4  # bytes of Psi(N-1)/N fp32 elements
+    if system.kind in THEORY_WIRE_UNITS:
+        wire_units, wire_measured = THEORY_WIRE_UNITS[system.kind], False
+    else:
+        wire_units, wire_measured = statistics.mean(r.wire_bytes or 0 for r in first) / unit, True
+    losses = [statistics.mean(r.losses[i] for r in first) for i in range(spec.total_steps)]
+    return SystemResult(
+        system,
+        step_s=statistics.median(slowest),
+        other_load=statistics.mean(_other_load(ranks) for ranks in rounds),
+        wire_units=wire_units,
+        wire_measured=wire_measured,
+        state_mib=max(r.state_bytes for ranks in rounds for r in ranks) / MIB,
+        peak_rss_mib=max(r.peak_rss_bytes for ranks in rounds for r in ranks) / MIB,
+        losses=losses,
+    )
+
+
+def _least_disturbed(
+    spec: RunSpec, system: System, *, retries: int, log: Callable[[str], object]
+) -> list[RankResult]:
+    """Run ``system``; while other processes took more than ``DISTURBED_CORES`` of the machine
+    during its measured steps, run it again (at most ``retries`` times) and keep the run they
+    disturbed least."""
+    best: list[RankResult] | None = None
+    for attempt in range(retries + 1):
+        ranks = _spawn(spec, system)
+        load = _other_load(ranks)
+        log(
+            f"  [{spec.model} N={spec.world_size}] {system.name}: "
+            f"{_median_step_s(spec, ranks):.3f} s/step, other load {load:.2f} cores"
+            + (f" (retry {attempt})" if attempt else "")
+        )
+        if best is None or load < _other_load(best):
+            best = ranks
+        if load <= DISTURBED_CORES:
+            break
+    return best
+
+
+def run_spec(
+    spec: RunSpec, *, rounds: int = 1, retries: int = 1, log: Callable[[str], object] = print
+) -> list[SystemResult]:
+    """Every system of ``SYSTEMS`` on ``spec``, ``rounds`` times in alternating order; one
+    result per system, in ``SYSTEMS`` order. A system that fails is reported, not raised."""
+    runs: dict[System, list[list[RankResult]]] = {s: [] for s in SYSTEMS}
+    seconds = dict.fromkeys(SYSTEMS, 0.0)
+    errors: dict[System, str] = {}
+    for round_index in range(rounds):
+        order = SYSTEMS if round_index % 2 == 0 else SYSTEMS[::-1]
+        for system in order:
+            if system in errors:
+                continue
+            began = time.perf_counter()
+            try:
+                runs[system].append(_least_disturbed(spec, system, retries=retries, log=log))
+            except Exception as err:  # report it and go on with the other systems
+                errors[system] = str(err)
+                log(f"  [{spec.model} N={spec.world_size}] {system.name}: FAILED")
+            seconds[system] += time.perf_counter() - began
+    results = []
+    for system in SYSTEMS:
+        if system in errors:
+            result = SystemResult(system, error=errors[system])
+        else:
+            result = summarise(spec, system, runs[system])
+        result.seconds = seconds[system]
+        results.append(result)
+    return results
+
+
+# -- reporting -----------------------------------------------------------------------------------
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
+
+
+def _find(results: list[SystemResult], kind: str, stage: int = 0) -> SystemResult | None:
+    for r in results:
+        system = r.system
+        if system.kind == kind and system.stage == stage and system.reduce_scatter and not r.error:
+            return r
+    return None
+
+
+def format_table(spec: RunSpec, numel: int, results: list[SystemResult], rounds: int) -> str:
+    ddp = _find(results, "ddp")
+    pooled = f" x {rounds} rounds" if rounds > 1 else ""
+    lines = [
+        f"### {spec.model} ({numel / 1e6:.1f}M params), world size {spec.world_size}, "
+        f"micro-batch {spec.micro_batch}, median of {spec.steps} steps{pooled} after "
+        f"{spec.warmup} warm-up",
+        "",
+        "| system | step s | vs DDP | other load | wire / (Psi(N-1)/N*4) | model state MiB | "
+        "peak RSS MiB | final loss | max dloss vs DDP | run s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r.error is not None:
+            last = r.error.strip().splitlines()[-1]
+            lines.append(f"| {r.system.name} | FAILED: {last} |||||||| {r.seconds:.0f} |")
+            continue
+        vs_ddp = _ratio(r.step_s, ddp.step_s) if ddp else float("nan")
+        wire = f"{r.wire_units:.2f}" + ("" if r.wire_measured else " (theory)")
+        dloss = "-"
+        if ddp and len(ddp.losses) == len(r.losses):
+            dloss = f"{max(abs(a - b) for a, b in zip(r.losses, ddp.losses, strict=True)):.1e}"
+        lines.append(
+            f"| {r.system.name} | {r.step_s:.3f} | {vs_ddp:.3f} | {r.other_load:.2f} | {wire} | "
+            f"{r.state_mib:.0f} | {r.peak_rss_mib:.0f} | {r.losses[-1]:.5f} | {dloss} | "
+            f"{r.seconds:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def format_summary(spec: RunSpec, results: list[SystemResult]) -> list[str]:
+    """Rows of the summary table: zerolap's step time against the peer it must match."""
+
+    def step(kind: str, stage: int = 0) -> float:
+        found = _find(results, kind, stage)
+        return found.step_s if found else float("nan")
+
+    ddp, zero = step("ddp"), step("torch_zero")
+    checks = [
+        ("stage 0 / DDP", step("zerolap", 0), ddp, 1.05),
+        ("stage 1 / ZeroRedundancyOptimizer", step("zerolap", 1), zero, 1.0),
+        ("stage 2 / ZeroRedundancyOptimizer", step("zerolap", 2), zero, 1.0),
+        ("DDP / compute only", ddp, step("local"), float("inf")),
+    ]
+    rows = []
+    for label, ours, theirs, target in checks:
+        ratio = _ratio(ours, theirs)
+        verdict = "-" if target == float("inf") else ("ok" if ratio <= target else "OVER")
+        where = f"| {spec.model} | {spec.world_size} | {label} |"
+        rows.append(f"{where} {ratio:.3f} | {'' if verdict == '-' else target} | {verdict} |")
+    return rows
+
+
+# -- entry point ---------------------------------------------------------------------------------
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small model, world 2, few steps")
+    parser.add_argument("--models", nargs="+", choices=sorted(MICRO_BATCH_AT_2), default=None)
+    parser.add_argument("--world-sizes", nargs="+", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per system")
+    parser.add_argument("--warmup", type=int, default=None, help="unmeasured steps first")
+    parser.add_argument("--micro-batch", type=int, default=None, help="override the presets")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="runs per system, in alternating order (pooled)"
+    )
+    parser.add_argument(
+        "--retries",
+        type=int,
+        default=None,
+        help=f"re-runs of a system whose steps other processes disturbed (> {DISTURBED_CORES} "
+        "cores busy); the least disturbed run is kept (default 1, 0 with --quick)",
+    )
+    return parser.parse_args(argv)
+
+
+def _specs(args: argparse.Namespace) -> list[RunSpec]:
+    models = args.models or (["small"] if args.quick else ["small", "42m"])
+    worlds = args.world_sizes or ([2] if args.quick else [2, 4])
+    steps = args.steps or (3 if args.quick else 5)
+    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
+    specs = []
+    for model in models:
+        for n in worlds:
+            if n < 2:
+                raise SystemExit(f"--world-sizes: {n} is not a data-parallel world size (>= 2)")
+            micro = args.micro_batch or (
+                QUICK_MICRO_BATCH if args.quick else max(1, MICRO_BATCH_AT_2[model] * 2 // n)
+            )
+            specs.append(RunSpec(model, n, micro, warmup, steps))
+    return specs
+
+
+def main(argv: list[str] | None = None) -> list[SystemResult]:
+    """Run the benchmark, print its tables (markdown) and return every row."""
+    args = _parse(argv)
+    specs = _specs(args)
+    retries = args.retries if args.retries is not None else (0 if args.quick else 1)
+    saved = {key: os.environ.get(key) for key in ENV}
+    os.environ.update(ENV)  # inherited by every spawned rank, for every system alike
+    began = time.perf_counter()
+    everything: list[SystemResult] = []
+    summary: list[str] = []
+    try:
+        import torch
+
+        from benchmarks.gpt import build_gpt
+
+        print(
+            f"# zero_bench: torch {torch.__version__}, gloo on localhost, one thread per rank, "
+            f"fp32 AdamW(lr={LR}, weight_decay={WEIGHT_DECAY}, fused=True), "
+            f"{BUCKET_MB} MB buckets, {os.cpu_count()} CPUs\n",
+            flush=True,
+        )
+        for spec in specs:
+            numel = sum(p.numel() for p in build_gpt(spec.model).parameters())
+            results = run_spec(
+                spec, rounds=args.rounds, retries=retries, log=lambda s: print(s, file=sys.stderr)
+            )
+            print(format_table(spec, numel, results, args.rounds) + "\n", flush=True)
+            summary += format_summary(spec, results)
+            everything += results
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    print("### Summary: step-time ratios\n")
+    print("| model | N | ratio | value | target | |\n|---|---|---|---|---|---|")
+    print("\n".join(summary))
+    print(f"\ntotal wall time {time.perf_counter() - began:.0f} s", flush=True)
+    for result in everything:
+        if result.error:
+            print(f"\n{result.system.name} failed:\n{result.error}", file=sys.stderr)
+    return everything
+
+
+if __name__ == "__main__":
+    main()

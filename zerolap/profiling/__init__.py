@@ -1,0 +1,1 @@
+"""Measurement: overlap efficiency, timelines, memory against the ZeRO formulas."""

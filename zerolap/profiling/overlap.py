@@ -1,0 +1,74 @@
+"""How much communication a step hid behind computation.
+
+For one rank and one step, from its compute spans and its communication spans:
+
+    T_compute = length of the union of compute spans
+    T_comm    = length of the union of communication spans
+    exposed   = communication time during which no compute ran = T_comm - |compute ∩ comm|
+    eta       = hidden / T_comm = 1 - exposed / T_comm
+
+and the step's wall time against the two bounds: perfect overlap takes max(T_compute, T_comm),
+none takes T_compute + T_comm.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from zerolap.profiling.intervals import Interval, covered, intersection_length
+
+__all__ = ["OverlapStats", "overlap_stats"]
+
+
+@dataclass(frozen=True)
+class OverlapStats:
+    step_s: float
+    compute_s: float
+    comm_s: float
+    exposed_comm_s: float
+
+    @property
+    def hidden_comm_s(self) -> float:
+        return self.comm_s - self.exposed_comm_s
+
+    @property
+    def eta(self) -> float:
+        """Overlap efficiency: the share of communication hidden behind compute (1 if none)."""
+        return 1.0 if self.comm_s == 0 else self.hidden_comm_s / self.comm_s
+
+    @property
+    def ideal_s(self) -> float:
+        return max(self.compute_s, self.comm_s)
+
+    @property
+    def serial_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    def as_dict(self) -> dict:
+        return {
+            "step_s": self.step_s,
+            "compute_s": self.compute_s,
+            "comm_s": self.comm_s,
+            "exposed_comm_s": self.exposed_comm_s,
+            "hidden_comm_s": self.hidden_comm_s,
+            "eta": self.eta,
+            "ideal_s": self.ideal_s,
+            "serial_s": self.serial_s,
+        }
+
+
+def overlap_stats(compute: list[Interval], comm: list[Interval], *, step: Interval) -> OverlapStats:
+    """Overlap figures of one step; spans are clipped to ``step``."""
+    lo, hi = step
+
+    def clip(spans: list[Interval]) -> list[Interval]:
+        return [(max(s, lo), min(e, hi)) for s, e in spans if e > lo and s < hi]
+
+    compute, comm = clip(compute), clip(comm)
+    comm_s = covered(comm)
+    return OverlapStats(
+        step_s=hi - lo,
+        compute_s=covered(compute),
+        comm_s=comm_s,
+        exposed_comm_s=comm_s - intersection_length(compute, comm),
+    )
