@@ -1,5 +1,5 @@
 """Training-step time, bytes on the wire and memory of zerolap's ZeRO stages against torch's DDP
-and ZeroRedundancyOptimizer, on a GPT decoder (``benchmarks/gpt.py``).
+and ZeroRedundancyOptimizer, on a GPT decoder (``zerolap/demo/gpt.py``).
 
 Run from the repo root: ``python benchmarks/zero_bench.py [--quick] [--models small 42m]
 [--world-sizes 2 4] [--steps 5] [--rounds 1]``.
@@ -34,6 +34,7 @@ AdamW and no communication at all: what a step would cost if communication were 
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -44,10 +45,6 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script: make ``benchmarks.gpt`` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 __all__ = ["SYSTEMS", "RunSpec", "System", "SystemResult", "main"]
 
@@ -111,6 +108,7 @@ class RankResult:
     window_s: float  # wall time of the measured steps
     window_cpu_s: float  # this process's CPU time over them
     window_busy_s: float  # the whole machine's busy CPU time over them (rank 0 only)
+    overlap: tuple[float, float, float] | None  # backward's (eta, exposed s, comm s), zerolap
 
 
 @dataclass
@@ -122,6 +120,9 @@ class SystemResult:
     wire_measured: bool = False
     state_mib: float = float("nan")
     peak_rss_mib: float = float("nan")
+    eta: float = float("nan")  # share of backward's gradient reduction hidden behind compute
+    exposed_ms: float = float("nan")  # reduction time backward waited for at its end
+    comm_ms: float = float("nan")  # reduction time in all
     losses: list[float] = field(default_factory=list)
     seconds: float = 0.0  # wall time of the system's runs, spawn included
     error: str | None = None
@@ -160,6 +161,7 @@ class _Trainer:
     step: Callable  # (inputs, targets) -> loss as a float
     state_bytes: Callable[[], int]
     logged: bool  # whether the comms logger can measure this system's wire bytes
+    overlap: Callable[[], tuple[float, float, float]] | None = None  # after a logged step
 
 
 def _torch_trainer(system: System, model) -> _Trainer:
@@ -213,14 +215,33 @@ def _zerolap_trainer(system: System, model, micro_batch: int) -> _Trainer:
         },
     }
     engine, _, _, _ = zerolap.initialize(model=model, config=config)
+    backward_start = [0.0]
 
     def step(inputs, targets) -> float:
         loss = engine(inputs, targets)
+        backward_start[0] = time.perf_counter()
         engine.backward(loss)
         engine.step()
         return loss.item()
 
-    return _Trainer(step, lambda: engine.memory_breakdown().total_bytes, logged=True)
+    def overlap() -> tuple[float, float, float]:
+        """Backward's compute span against the reductions the comms logger timed in it."""
+        from zerolap.comm import COMMS_LOGGER
+        from zerolap.profiling.overlap import overlap_stats
+
+        timing = engine.reducer.last_timing
+        backward = (backward_start[0], timing.compute_end + timing.exposed_wait_s)
+        comm = [
+            (r.start, r.end)
+            for r in COMMS_LOGGER.records
+            if r.end is not None and backward[0] <= r.start < backward[1]
+        ]
+        stats = overlap_stats([(backward[0], timing.compute_end)], comm, step=backward)
+        return stats.eta, stats.exposed_comm_s, stats.comm_s
+
+    return _Trainer(
+        step, lambda: engine.memory_breakdown().total_bytes, logged=True, overlap=overlap
+    )
 
 
 def _train(rank: int, spec: RunSpec, system: System, port: int) -> RankResult:
@@ -229,7 +250,7 @@ def _train(rank: int, spec: RunSpec, system: System, port: int) -> RankResult:
     import torch.distributed as torch_dist
 
     import zerolap.comm as dist
-    from benchmarks.gpt import PRESETS, build_gpt, synthetic_batch
+    from zerolap.demo.gpt import PRESETS, build_gpt, synthetic_batch
 
     dist.init_distributed(
         dist_backend="gloo",
@@ -248,7 +269,7 @@ def _train(rank: int, spec: RunSpec, system: System, port: int) -> RankResult:
         trainer = _zerolap_trainer(system, model, spec.micro_batch)
     else:
         trainer = _torch_trainer(system, model)
-    step_s, losses, wire_bytes = [], [], None
+    step_s, losses, wire_bytes, overlap = [], [], None, None
     window: dict[str, float] = {}
     for index, (inputs, targets) in enumerate(batches):
         logging = trainer.logged and index == spec.total_steps - 1
@@ -265,6 +286,7 @@ def _train(rank: int, spec: RunSpec, system: System, port: int) -> RankResult:
         if logging:
             dist.configure(enabled=False)
             wire_bytes = sum(r.wire_bytes for r in dist.COMMS_LOGGER.records)
+            overlap = trainer.overlap() if trainer.overlap else None
     state_bytes = trainer.state_bytes()
     torch_dist.barrier()
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
@@ -278,6 +300,7 @@ def _train(rank: int, spec: RunSpec, system: System, port: int) -> RankResult:
         window_s=window["wall"],
         window_cpu_s=window["cpu"],
         window_busy_s=window["busy"] if rank == 0 else 0.0,
+        overlap=overlap,
     )
 
 
@@ -357,6 +380,12 @@ def summarise(spec: RunSpec, system: System, rounds: list[list[RankResult]]) -> 
     else:
         wire_units, wire_measured = statistics.mean(r.wire_bytes or 0 for r in first) / unit, True
     losses = [statistics.mean(r.losses[i] for r in first) for i in range(spec.total_steps)]
+    overlaps = [r.overlap for r in first if r.overlap is not None]
+    eta, exposed, comm = (
+        (statistics.mean(o[k] for o in overlaps) for k in range(3))
+        if overlaps
+        else (float("nan"),) * 3
+    )
     return SystemResult(
         system,
         step_s=statistics.median(slowest),
@@ -365,6 +394,9 @@ def summarise(spec: RunSpec, system: System, rounds: list[list[RankResult]]) -> 
         wire_measured=wire_measured,
         state_mib=max(r.state_bytes for ranks in rounds for r in ranks) / MIB,
         peak_rss_mib=max(r.peak_rss_bytes for ranks in rounds for r in ranks) / MIB,
+        eta=eta,
+        exposed_ms=exposed * 1e3,
+        comm_ms=comm * 1e3,
         losses=losses,
     )
 
@@ -437,6 +469,10 @@ def _find(results: list[SystemResult], kind: str, stage: int = 0) -> SystemResul
     return None
 
 
+def _ms(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.0f}"
+
+
 def format_table(spec: RunSpec, numel: int, results: list[SystemResult], rounds: int) -> str:
     ddp = _find(results, "ddp")
     pooled = f" x {rounds} rounds" if rounds > 1 else ""
@@ -446,13 +482,13 @@ def format_table(spec: RunSpec, numel: int, results: list[SystemResult], rounds:
         f"{spec.warmup} warm-up",
         "",
         "| system | step s | vs DDP | other load | wire / (Psi(N-1)/N*4) | model state MiB | "
-        "peak RSS MiB | final loss | max dloss vs DDP | run s |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "peak RSS MiB | bwd comm ms | exposed ms | eta | final loss | max dloss vs DDP | run s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r.error is not None:
             last = r.error.strip().splitlines()[-1]
-            lines.append(f"| {r.system.name} | FAILED: {last} |||||||| {r.seconds:.0f} |")
+            lines.append(f"| {r.system.name} | FAILED: {last} ||||||||||| {r.seconds:.0f} |")
             continue
         vs_ddp = _ratio(r.step_s, ddp.step_s) if ddp else float("nan")
         wire = f"{r.wire_units:.2f}" + ("" if r.wire_measured else " (theory)")
@@ -461,7 +497,8 @@ def format_table(spec: RunSpec, numel: int, results: list[SystemResult], rounds:
             dloss = f"{max(abs(a - b) for a, b in zip(r.losses, ddp.losses, strict=True)):.1e}"
         lines.append(
             f"| {r.system.name} | {r.step_s:.3f} | {vs_ddp:.3f} | {r.other_load:.2f} | {wire} | "
-            f"{r.state_mib:.0f} | {r.peak_rss_mib:.0f} | {r.losses[-1]:.5f} | {dloss} | "
+            f"{r.state_mib:.0f} | {r.peak_rss_mib:.0f} | {_ms(r.comm_ms)} | {_ms(r.exposed_ms)} | "
+            f"{'-' if math.isnan(r.eta) else f'{r.eta:.2f}'} | {r.losses[-1]:.5f} | {dloss} | "
             f"{r.seconds:.0f} |"
         )
     return "\n".join(lines)
@@ -544,7 +581,7 @@ def main(argv: list[str] | None = None) -> list[SystemResult]:
     try:
         import torch
 
-        from benchmarks.gpt import build_gpt
+        from zerolap.demo.gpt import build_gpt
 
         print(
             f"# zero_bench: torch {torch.__version__}, gloo on localhost, one thread per rank, "

@@ -1,61 +1,219 @@
-"""The ``zerolap`` command."""
+"""The ``zerolap`` command: demo, run, bench, estimate, report."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import os
+import socket
 import sys
+from pathlib import Path
 
 __all__ = ["main"]
 
 
-def _free_port() -> int:
-    import socket
+class CliError(Exception):
+    """A bad argument: printed as ``zerolap: ...`` with exit status 2."""
 
+
+def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-def _launch(fn, nprocs: int) -> None:
-    """Run ``fn`` on ``nprocs`` local processes through torch's elastic launcher (torchrun)."""
+def _launch_local(fn, nprocs: int, *args) -> None:
+    """Run ``fn(*args)`` on ``nprocs`` local processes through torch's elastic launcher."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nprocs,
+        run_id=f"zerolap-{os.getpid()}",
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{_free_port()}",
-        run_id=f"zerolap-{os.getpid()}",
         max_restarts=0,
         monitor_interval=0.5,
     )
-    elastic_launch(config, fn)()
+    elastic_launch(config, fn)(*args)
+
+
+def _positive(name: str, value: int) -> int:
+    if value < 1:
+        raise CliError(f"{name} must be >= 1, got {value}")
+    return value
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from zerolap.demo_comm import comm_tour
+    from zerolap.demo.train import MODEL_SIZES, DemoOptions, run_demo
 
-    _launch(comm_tour, args.world_size)
+    _positive("--world-size", args.world_size)
+    _positive("--steps", args.steps)
+    if args.stage not in (0, 1, 2):
+        raise CliError(f"--stage must be 0, 1 or 2, got {args.stage}")
+    if args.model_size not in MODEL_SIZES:
+        raise CliError(f"--model-size must be one of {', '.join(MODEL_SIZES)}")
+    if args.config and not Path(args.config).is_file():
+        raise CliError(f"--config {args.config}: no such file")
+    options = DemoOptions(
+        stage=args.stage,
+        steps=args.steps,
+        model_size=args.model_size,
+        config=args.config,
+        out_dir=args.out,
+    )
+    _launch_local(run_demo, args.world_size, options)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Hand over to torchrun with the translated flags."""
+    from torch.distributed import run as torchrun
+
+    _positive("-n/--nproc-per-node", args.nproc_per_node)
+    if not Path(args.script).is_file():
+        raise CliError(f"{args.script}: no such script")
+    argv = [
+        f"--nproc-per-node={args.nproc_per_node}",
+        f"--nnodes={args.nnodes}",
+        f"--node-rank={args.node_rank}",
+        f"--master-addr={args.master_addr}",
+        f"--master-port={args.master_port}",
+        args.script,
+        *args.script_args,
+    ]
+    torchrun.main(argv)
+    return 0
+
+
+def _load_benchmark(name: str):
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    if not path.is_file():
+        raise CliError(
+            f"{path} not found: the benchmarks ship with zerolap's source tree, run "
+            "`zerolap bench` from a checkout"
+        )
+    spec = importlib.util.spec_from_file_location(f"zerolap_bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench(args: argparse.Namespace) -> int:
+    extra = ["--quick"] if args.quick else []
+    status = 0
+    for name in args.which:
+        print(f"\n## {name}\n", flush=True)
+        status |= _load_benchmark(name).main(extra) or 0
+    return status
+
+
+def _count_params(target: str) -> int:
+    module_name, _, factory_name = target.partition(":")
+    if not module_name or not factory_name:
+        raise CliError(f"--model must look like module:factory, got {target!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())  # a module of the user's project, as uvicorn does
+    try:
+        factory = getattr(importlib.import_module(module_name), factory_name)
+    except (ImportError, AttributeError) as err:
+        raise CliError(f"--model {target}: {err}") from None
+    return sum(p.numel() for p in factory().parameters())
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    from zerolap.profiling.estimate import estimate_model_states
+
+    if (args.params is None) == (args.model is None):
+        raise CliError("give exactly one of --params N and --model module:factory")
+    numel = args.params if args.params is not None else _count_params(args.model)
+    try:
+        per_device = estimate_model_states(numel, args.world, args.precision)
+    except ValueError as err:
+        raise CliError(str(err)) from None
+    print(
+        f"model states per device: {numel:,.0f} parameters, {args.world} data-parallel "
+        f"ranks, {args.precision} precision (Adam)"
+    )
+    for stage, nbytes in per_device.items():
+        print(f"  ZeRO stage {stage}: {_decimal_bytes(nbytes)}")
+    return 0
+
+
+def _decimal_bytes(nbytes: float) -> str:
+    """In the unit that keeps the number readable, decimal as in the ZeRO paper."""
+    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= size:
+            return f"{nbytes / size:10.3f} {unit}"
+    return f"{nbytes:10.0f} B"
+
+
+def _report(args: argparse.Namespace) -> int:
+    from zerolap.report import environment_report
+
+    rows = environment_report()
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key.ljust(width)}  {value}")
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zerolap", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="run the demo on local processes")
-    demo.add_argument("--world-size", type=int, default=2, help="number of processes (default 2)")
+
+    demo = commands.add_parser(
+        "demo", help="train a small GPT on local processes and show memory, bytes and overlap"
+    )
+    demo.add_argument("--stage", type=int, default=2, help="ZeRO stage 0-2 (default 2)")
+    demo.add_argument("--world-size", type=int, default=2, help="processes (default 2)")
+    demo.add_argument("--steps", type=int, default=120, help="optimizer steps (default 120)")
+    demo.add_argument("--model-size", default="tiny", help="tiny or small (default tiny)")
+    demo.add_argument("--config", help="a ds_config JSON to use instead of the built-in one")
+    demo.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
     demo.set_defaults(run=_demo)
+
+    run = commands.add_parser("run", help="launch a training script through torchrun")
+    run.add_argument("-n", "--nproc-per-node", type=int, default=1)
+    run.add_argument("--nnodes", default="1")
+    run.add_argument("--node-rank", type=int, default=0)
+    run.add_argument("--master-addr", default="127.0.0.1")
+    run.add_argument("--master-port", type=int, default=29500)
+    run.add_argument("script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER)
+    run.set_defaults(run=_run)
+
+    bench = commands.add_parser("bench", help="run the comm and ZeRO benchmarks")
+    bench.add_argument("--quick", action="store_true", help="a short smoke run of each")
+    bench.add_argument(
+        "--which",
+        nargs="+",
+        default=["comm_bench", "zero_bench"],
+        choices=["comm_bench", "zero_bench"],
+    )
+    bench.set_defaults(run=_bench)
+
+    estimate = commands.add_parser("estimate", help="model-state memory per device, stages 0-3")
+    estimate.add_argument("--params", type=float, help="number of parameters, e.g. 7.5e9")
+    estimate.add_argument("--model", help="module:factory returning an nn.Module")
+    estimate.add_argument("--world", type=int, default=1, help="data-parallel ranks")
+    estimate.add_argument("--precision", default="mixed", choices=["mixed", "fp32"])
+    estimate.set_defaults(run=_estimate)
+
+    report = commands.add_parser("report", help="environment report, like ds_report")
+    report.set_defaults(run=_report)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if getattr(args, "world_size", 1) < 1:
-        print(f"zerolap: --world-size must be >= 1, got {args.world_size}", file=sys.stderr)
+    try:
+        return args.run(args)
+    except CliError as err:
+        print(f"zerolap: {err}", file=sys.stderr)
         return 2
-    return args.run(args)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ reducer's hooks move gradients into buckets and launch their collectives during 
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 
 import torch
@@ -17,6 +18,7 @@ import zerolap.comm as dist
 from zerolap.config import ZerolapConfig
 from zerolap.runtime.loss_scaler import build_loss_scaler
 from zerolap.runtime.memory import MemoryBreakdown, measure_memory
+from zerolap.runtime.timers import WallClockBreakdown
 from zerolap.zero.flat_params import FlatParams
 from zerolap.zero.grad_storage import FullGradients, ShardGradients
 from zerolap.zero.layout import build_layout
@@ -74,6 +76,13 @@ class ZerolapEngine(torch.nn.Module):
         self.skipped_steps = 0
         self._no_sync = False
         self._cycle_fresh = True  # the next backward starts a new accumulation cycle
+        # Who hears about phases (forward, backward, waits, optimizer): wall_clock_breakdown's
+        # timers, profilers. Empty costs one loop over nothing per phase.
+        self._phase_recorders: list = []
+        if config.wall_clock_breakdown:
+            self.add_phase_recorder(
+                WallClockBreakdown(steps_per_print=config.steps_per_print, rank=self.global_rank)
+            )
 
     # -- construction steps -------------------------------------------------------------------
 
@@ -181,8 +190,22 @@ class ZerolapEngine(torch.nn.Module):
 
     # -- training -----------------------------------------------------------------------------
 
+    def add_phase_recorder(self, recorder) -> None:
+        """``recorder.record(phase, start, end, compute=True)`` is called for every phase."""
+        self._phase_recorders.append(recorder)
+
+    def remove_phase_recorder(self, recorder) -> None:
+        self._phase_recorders.remove(recorder)
+
+    def _record(self, phase: str, start: float, end: float, compute: bool = True) -> None:
+        for recorder in self._phase_recorders:
+            recorder.record(phase, start, end, compute)
+
     def forward(self, *inputs, **kwargs):
-        return self.module(*inputs, **kwargs)
+        start = time.perf_counter()
+        out = self.module(*inputs, **kwargs)
+        self._record("forward", start, time.perf_counter())
+        return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
@@ -200,8 +223,12 @@ class ZerolapEngine(torch.nn.Module):
         )
         self.reducer.begin_backward(reduce)
         scale = self.loss_scaler.loss_scale / self.gradient_accumulation_steps()
+        start = time.perf_counter()
         (loss.float() * scale).backward(retain_graph=retain_graph)
+        autograd_end = time.perf_counter()
         self.reducer.finish_backward()
+        self._record("backward", start, autograd_end)
+        self._record("backward_wait", autograd_end, time.perf_counter(), compute=False)
         self._expose_grads()
         return loss
 
@@ -222,12 +249,19 @@ class ZerolapEngine(torch.nn.Module):
             for param in self.params:
                 param.grad = None
             self.grads.settle()
-            applied = self.optimizer.step()
+            start = time.perf_counter()
+            applied = self.optimizer.update()
+            updated = time.perf_counter()
             if applied:
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step(**(lr_kwargs or {}))
-            else:
+                self.optimizer.publish()
+            end = time.perf_counter()
+            self._record("optimizer", start, updated)
+            self._record("allgather_wait", updated, end, compute=False)
+            self._record("step_end", end, end)
+            if not applied:
                 self.skipped_steps += 1
+            elif self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._cycle_fresh = True

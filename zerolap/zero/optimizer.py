@@ -123,7 +123,15 @@ class ZeroOptimizer:
         return value.item()
 
     def step(self) -> bool:
-        """One optimizer step over the owned shard; False when fp16 overflow skipped it."""
+        """``update()`` then, when it applied, ``publish()``; False when fp16 overflow skipped
+        the step."""
+        applied = self.update()
+        if applied:
+            self.publish()
+        return applied
+
+    def update(self) -> bool:
+        """Phases 1-5 (compute only): the owned elements take their step."""
         grads = self._owned_grads()
         scale = self.loss_scaler.loss_scale
         if self.loss_scaler.dynamic:
@@ -148,16 +156,15 @@ class ZeroOptimizer:
             view.grad = None
         self.loss_scaler.update_scale(False)
         self.last_norm, self.last_applied = norm, True
-        self._publish()
-        return True
-
-    def _publish(self) -> None:
-        """Updated owned elements -> the 16-bit params (mixed precision) -> every rank."""
         if self.master is not None:
             for run, pos in zip(self.runs, self.positions, strict=True):
                 self.flat_params.region(run.start, run.end).copy_(
                     self.master[pos : pos + run.end - run.start]
                 )
+        return True
+
+    def publish(self) -> None:
+        """Phase 6 (communication only): every rank receives the updated parameters."""
         if not self.sharded:
             return
         handles = []

@@ -1,4 +1,4 @@
-"""A small GPT-style decoder for the benchmarks, and deterministic synthetic batches.
+"""A small GPT-style decoder for the demo and the benchmarks, and deterministic synthetic batches.
 
 Token and position embeddings, ``n_layer`` pre-LN blocks (causal self-attention through
 ``scaled_dot_product_attention``, then a GELU MLP), a final LayerNorm and an LM head tied to the
@@ -90,14 +90,18 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy of ``targets`` given ``tokens`` (both (batch, seq))."""
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Next-token logits, (batch, seq, vocab), for ``tokens`` (batch, seq)."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.tok_emb(tokens) + self.pos_emb(positions)
         for block in self.blocks:
             x = block(x)
-        logits = self.head(self.ln_f(x))
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+        return self.head(self.ln_f(x))
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy of ``targets`` given ``tokens`` (both (batch, seq))."""
+        logits = self.logits(tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def build_gpt(size: str, *, seed: int = 0) -> GPT:

@@ -1,0 +1,99 @@
+"""The main job end to end on 2 processes: it trains, reports, and writes its trace and PNG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.comm.test_env import LAUNCHERS
+from tests.multiproc import run_on_ranks
+from zerolap.demo.train import DemoOptions, run_demo
+
+
+def short_demo(out_dir: str) -> dict:
+    return run_demo(DemoOptions(stage=2, steps=30, out_dir=out_dir))
+
+
+def test_demo_trains_and_writes_its_outputs(tmp_path):
+    summaries = run_on_ranks(
+        short_demo, 2, str(tmp_path), env=LAUNCHERS["torchrun"], init=False, timeout=240
+    )
+    losses = summaries[0]["losses"]
+    assert len(losses) == 30 and sum(losses[-5:]) / 5 < losses[0] - 0.5  # the loss falls
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == {0, 1}  # one process per rank
+    assert {e["tid"] for e in events} == {0, 1}  # compute and comm lanes
+    names = {e["name"] for e in events}
+    assert {"forward", "backward", "optimizer", "ring_reduce_scatter", "ring_all_gather"} <= names
+    assert any(n.startswith("backward:block") for n in names)  # per-block spans
+    assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for rank_memory in summary["memory"]:
+        assert abs(rank_memory["total_bytes"] / rank_memory["expected_bytes"] - 1) < 0.05
+    assert abs(summary["wire_bytes_per_step"] / summary["wire_theory_bytes"] - 1) < 0.05
+    assert 0.0 <= summary["overlap"]["eta"] <= 1.0
+
+
+def _zerolap(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "zerolap.cli", *args], capture_output=True, text=True, timeout=240
+    )
+
+
+def test_cli_demo_runs_through_the_launcher(tmp_path):
+    result = _zerolap("demo", "--steps", "3", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "bytes sent per step per rank" in result.stdout
+    assert (tmp_path / "timeline.png").exists()
+
+
+def test_cli_bad_arguments_are_named():
+    cases = [
+        (["demo", "--stage", "3"], "--stage must be 0, 1 or 2, got 3"),
+        (["demo", "--world-size", "0"], "--world-size must be >= 1, got 0"),
+        (["demo", "--model-size", "huge"], "--model-size must be one of tiny, small"),
+        (["demo", "--config", "/nonexistent.json"], "--config /nonexistent.json: no such file"),
+        (["estimate"], "give exactly one of --params N and --model module:factory"),
+        (["estimate", "--params", "1e9", "--world", "0"], "world size must be >= 1"),
+        (["estimate", "--model", "nomodule"], "--model must look like module:factory"),
+        (["estimate", "--model", "no_such_module:f"], "No module named 'no_such_module'"),
+        (["run", "missing.py"], "missing.py: no such script"),
+    ]
+    for argv, message in cases:
+        result = _zerolap(*argv)
+        assert result.returncode == 2, (argv, result.stderr)
+        assert message in result.stderr, (argv, result.stderr)
+
+
+def test_cli_estimate_and_report():
+    result = _zerolap("estimate", "--params", "7.5e9", "--world", "64")
+    assert result.returncode == 0
+    for line in (
+        "ZeRO stage 0:    120.000 GB",
+        "ZeRO stage 1:     31.406 GB",
+        "ZeRO stage 2:     16.641 GB",
+        "ZeRO stage 3:      1.875 GB",
+    ):
+        assert line in result.stdout
+    result = _zerolap(
+        "estimate",
+        "--model",
+        "tests.demo.test_demo:two_layer",
+        "--world",
+        "2",
+        "--precision",
+        "fp32",
+    )
+    assert result.returncode == 0 and "116 parameters" in result.stdout
+    assert "ZeRO stage 0:      1.856 KB" in result.stdout  # 116 x 16 bytes
+    assert "ZeRO stage 3:        928 B" in result.stdout  # 116 x 16 / 2
+    report = _zerolap("report")
+    assert report.returncode == 0 and "backend gloo" in report.stdout
+
+
+def two_layer():
+    import torch
+
+    return torch.nn.Sequential(torch.nn.Linear(4, 10), torch.nn.Linear(10, 6))

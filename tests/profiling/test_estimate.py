@@ -1,0 +1,33 @@
+"""The memory estimator against the ZeRO paper's Table 1 and zerolap's fp32 accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from zerolap.profiling.estimate import estimate_model_states
+
+
+def test_paper_table_1_for_7_5b_parameters_on_64_ranks():
+    gb = {stage: b / 1e9 for stage, b in estimate_model_states(7.5e9, 64, "mixed").items()}
+    assert gb[0] == pytest.approx(120, abs=0.05)
+    assert gb[1] == pytest.approx(31.4, abs=0.05)
+    assert gb[2] == pytest.approx(16.6, abs=0.05)
+    assert gb[3] == pytest.approx(1.88, abs=0.01)
+
+
+def test_fp32_matches_the_engine_formulas():
+    per_param = estimate_model_states(1, 4, "fp32")
+    assert per_param == {0: 16, 1: 8 + 8 / 4, 2: 4 + 12 / 4, 3: 16 / 4}
+
+
+@pytest.mark.parametrize(
+    ("numel", "world", "precision", "message"),
+    [
+        (0, 4, "mixed", "must be positive"),
+        (10, 0, "mixed", "world size must be >= 1"),
+        (10, 4, "fp8", "precision must be one of"),
+    ],
+)
+def test_bad_input_is_named(numel, world, precision, message):
+    with pytest.raises(ValueError, match=message):
+        estimate_model_states(numel, world, precision)

@@ -1,0 +1,46 @@
+"""ds_config's ``wall_clock_breakdown``: per-phase wall time, printed every ``steps_per_print``.
+
+The engine reports phases to every attached recorder (this one, a ``StepProfiler``, ...):
+``forward``, ``backward`` (autograd), ``backward_wait`` (the end-of-backward wait for gradient
+reductions), ``optimizer``, ``allgather_wait`` (updated parameters arriving) and ``step_end``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+__all__ = ["WallClockBreakdown"]
+
+_SHOWN = (
+    ("fwd", ("forward",)),
+    ("bwd", ("backward", "backward_wait")),
+    ("bwd_inner", ("backward",)),
+    ("bwd_allreduce", ("backward_wait",)),
+    ("step", ("optimizer", "allgather_wait")),
+)
+
+
+class WallClockBreakdown:
+    def __init__(self, *, steps_per_print: int | None, rank: int) -> None:
+        self.steps_per_print = steps_per_print
+        self.rank = rank
+        self.totals: dict[str, float] = defaultdict(float)
+        self.steps = 0
+
+    def record(self, phase: str, start: float, end: float, compute: bool = True) -> None:
+        if phase != "step_end":
+            self.totals[phase] += end - start
+            return
+        self.steps += 1
+        if self.steps_per_print and self.steps % self.steps_per_print == 0:
+            if self.rank == 0:
+                print(self.format(), flush=True)
+            self.totals.clear()
+
+    def means_ms(self) -> dict[str, float]:
+        per = self.steps_per_print or 1
+        return {label: sum(self.totals[p] for p in phases) * 1e3 / per for label, phases in _SHOWN}
+
+    def format(self) -> str:
+        parts = " | ".join(f"{k}: {v:.2f}" for k, v in self.means_ms().items())
+        return f"[rank {self.rank}] step {self.steps} time (ms) | {parts}"
