@@ -169,7 +169,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--stage", type=int, default=2, help="ZeRO stage 0-2 (default 2)")
     demo.add_argument("--world-size", type=int, default=2, help="processes (default 2)")
-    demo.add_argument("--steps", type=int, default=120, help="optimizer steps (default 120)")
+    demo.add_argument("--steps", type=int, default=450, help="optimizer steps (default 450)")
     demo.add_argument("--model-size", default="tiny", help="tiny or small (default tiny)")
     demo.add_argument("--config", help="a ds_config JSON to use instead of the built-in one")
     demo.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")

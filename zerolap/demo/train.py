@@ -32,7 +32,7 @@ TIMELINE_STEPS = 3  # the timeline shows the last few steps; a minute of steps i
 @dataclass(frozen=True)
 class DemoOptions:
     stage: int = 2
-    steps: int = 120
+    steps: int = 450  # about a minute on 2 CPU cores
     model_size: str = "tiny"
     micro_batch: int = 16
     config: str | None = None  # a ds_config JSON path; replaces the built-in config
@@ -84,7 +84,9 @@ def _train(engine, data, options: DemoOptions, seq_len: int, profiler: StepProfi
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens_per_step = options.micro_batch * seq_len * world
     losses = []
-    bar = tqdm(range(options.steps), desc="zerolap demo", disable=rank != 0, ncols=100)
+    bar = tqdm(
+        range(options.steps), desc="zerolap demo", disable=rank != 0, ncols=100, mininterval=1.0
+    )
     began = time.perf_counter()
     with profiler:
         for step in bar:
