@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import zerolap.comm as dist
+from tests.comm.expected import reductions
 
 WORLD_SIZES = [2, 4]
 
@@ -23,13 +24,7 @@ def check_all_reduce_seed_example():
 def check_all_reduce_ops():
     rank, n = dist.get_rank(), dist.get_world_size()
     values = [float(r + 1) for r in range(n)]
-    expected = {
-        "sum": sum(values),
-        "avg": sum(values) / n,
-        "product": float(torch.tensor(values).prod()),
-        "min": min(values),
-        "max": max(values),
-    }
+    expected = reductions(values)
     for name, want in expected.items():
         t = torch.full((3,), values[rank])
         dist.all_reduce(t, op=name)

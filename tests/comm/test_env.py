@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -123,10 +124,28 @@ def test_no_launcher_means_a_job_of_one():
     assert elapsed < 10
 
 
-def adopt_existing_group(port):
-    rank = int(__import__("os").environ["ZL_RANK"])
+def _rank_port_env(rank: int, port: int) -> dict:
+    return {"ZL_RANK": str(rank), "ZL_PORT": str(port)}
+
+
+def _join_two_ranks(timeout: float) -> None:
+    """Join the 2-rank job described by ``_rank_port_env``."""
+    dist.init_distributed(
+        verbose=False,
+        timeout=timeout,
+        rank=int(os.environ["ZL_RANK"]),
+        world_size=2,
+        init_method=f"tcp://127.0.0.1:{os.environ['ZL_PORT']}",
+    )
+
+
+def adopt_existing_group():
+    """The user made the process group; init_distributed adopts it as it is."""
     torch_dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{os.environ['ZL_PORT']}",
+        rank=int(os.environ["ZL_RANK"]),
+        world_size=2,
     )
     dist.init_distributed(verbose=False)
     t = torch.ones(1)
@@ -134,27 +153,12 @@ def adopt_existing_group(port):
     return t.item()
 
 
-def adopt_wrapper():
-    import os
-
-    return adopt_existing_group(int(os.environ["ZL_PORT"]))
-
-
 def test_wraps_a_user_created_group():
-    env = lambda r, port: {"ZL_RANK": str(r), "ZL_PORT": str(port)}  # noqa: E731
-    assert run_on_ranks(adopt_wrapper, 2, env=env, init=False) == [2.0, 2.0]
+    assert run_on_ranks(adopt_existing_group, 2, env=_rank_port_env, init=False) == [2.0, 2.0]
 
 
 def crash_one_rank():
-    import os
-
-    dist.init_distributed(
-        verbose=False,
-        timeout=20,
-        rank=int(os.environ["ZL_RANK"]),
-        world_size=2,
-        init_method=f"tcp://127.0.0.1:{os.environ['ZL_PORT']}",
-    )
+    _join_two_ranks(timeout=20)
     if dist.get_rank() == 1:
         os._exit(3)
     start = time.monotonic()
@@ -166,9 +170,8 @@ def crash_one_rank():
 
 
 def test_crashed_rank_makes_the_others_fail_not_hang():
-    env = lambda r, port: {"ZL_RANK": str(r), "ZL_PORT": str(port)}  # noqa: E731
     with pytest.raises(RankFailure) as failure:
-        run_on_ranks(crash_one_rank, 2, env=env, init=False, timeout=60)
+        run_on_ranks(crash_one_rank, 2, env=_rank_port_env, init=False, timeout=60)
     assert "rank 1 exited with code 3" in str(failure.value)
     ok, (message, elapsed) = failure.value.answers[0]
     assert ok and "rank 0 waited for all_reduce on group ranks [0, 1] (gloo)" in message
@@ -176,15 +179,7 @@ def test_crashed_rank_makes_the_others_fail_not_hang():
 
 
 def wait_for_absent_peer():
-    import os
-
-    dist.init_distributed(
-        verbose=False,
-        timeout=3,
-        rank=int(os.environ["ZL_RANK"]),
-        world_size=2,
-        init_method=f"tcp://127.0.0.1:{os.environ['ZL_PORT']}",
-    )
+    _join_two_ranks(timeout=3)
     if dist.get_rank() == 1:
         time.sleep(8)  # alive but never joins the collective
         return None
@@ -197,7 +192,8 @@ def wait_for_absent_peer():
 
 
 def test_timeout_error_names_the_waiting_rank():
-    env = lambda r, port: {"ZL_RANK": str(r), "ZL_PORT": str(port)}  # noqa: E731
-    (message, elapsed), _ = run_on_ranks(wait_for_absent_peer, 2, env=env, init=False, timeout=60)
+    (message, elapsed), _ = run_on_ranks(
+        wait_for_absent_peer, 2, env=_rank_port_env, init=False, timeout=60
+    )
     assert "rank 0 waited for all_reduce on group ranks [0, 1] (gloo)" in message
     assert elapsed < 8

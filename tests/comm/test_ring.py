@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import zerolap.comm as dist
+from tests.comm.expected import reductions
 from zerolap.comm.chunking import even_chunks
 
 LENGTHS = [1, 3, 8, 1001, 4096]
@@ -35,13 +36,7 @@ def check_ring_all_reduce_exact():
 def check_ring_ops():
     rank, n = dist.get_rank(), dist.get_world_size()
     values = [float(r + 2) for r in range(n)]
-    expected = {
-        "sum": sum(values),
-        "avg": sum(values) / n,
-        "product": float(torch.tensor(values).prod()),
-        "min": min(values),
-        "max": max(values),
-    }
+    expected = reductions(values)
     for op, want in expected.items():
         tensor = torch.full((13,), values[rank], dtype=torch.float64)
         dist.ring_all_reduce(tensor, op=op)
