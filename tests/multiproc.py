@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -68,11 +69,13 @@ def _init_group(rank: int, world_size: int, port: int) -> None:
     )
 
 
-def _call(rank: int, fn: Callable, args: tuple, kwargs: dict) -> tuple[int, bool, Any]:
+def _call(rank: int, fn: Callable, args: tuple, kwargs: dict) -> tuple[int, bool, bytes]:
+    """Run ``fn``; its result travels as plain pickle bytes, because multiprocessing would share
+    tensors through memory that disappears when a short-lived worker exits."""
     try:
-        return rank, True, fn(*args, **kwargs)
+        return rank, True, pickle.dumps(fn(*args, **kwargs))
     except BaseException:
-        return rank, False, traceback.format_exc()
+        return rank, False, pickle.dumps(traceback.format_exc())
 
 
 def _pool_worker(rank, world_size, port, tasks, results) -> None:
@@ -104,7 +107,7 @@ def _collect(results, world_size: int, deadline: float, procs) -> dict[int, tupl
                 deadline = min(deadline, time.monotonic() + 5.0)
             seen_dead = dead
             continue
-        answers[rank] = (ok, value)
+        answers[rank] = (ok, pickle.loads(value))
         if not ok:
             deadline = min(deadline, time.monotonic() + 5.0)
     return answers

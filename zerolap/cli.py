@@ -1,4 +1,4 @@
-"""The ``zerolap`` command: demo, run, bench, estimate, report."""
+"""The ``zerolap`` command: demo, run, bench, estimate, consolidate, report."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import sys
 from pathlib import Path
 
 __all__ = ["main"]
+
+
+BENCHMARKS = ("comm_bench", "zero_bench", "checkpoint_bench")
 
 
 class CliError(Exception):
@@ -150,6 +153,21 @@ def _decimal_bytes(nbytes: float) -> str:
     return f"{nbytes:10.0f} B"
 
 
+def _consolidate(args: argparse.Namespace) -> int:
+    import torch
+
+    from zerolap.checkpoint import CheckpointError, get_fp32_state_dict
+
+    try:
+        state = get_fp32_state_dict(args.checkpoint_dir, tag=args.tag)
+    except CheckpointError as err:
+        raise CliError(str(err)) from None
+    torch.save(state, args.output)
+    numel = sum(t.numel() for t in state.values())
+    print(f"wrote {len(state)} tensors ({numel:,} elements, fp32) to {args.output}")
+    return 0
+
+
 def _report(args: argparse.Namespace) -> int:
     from zerolap.report import environment_report
 
@@ -201,6 +219,14 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--world", type=int, default=1, help="data-parallel ranks")
     estimate.add_argument("--precision", default="mixed", choices=["mixed", "fp32"])
     estimate.set_defaults(run=_estimate)
+
+    consolidate = commands.add_parser(
+        "consolidate", help="one fp32 state dict from a sharded checkpoint"
+    )
+    consolidate.add_argument("checkpoint_dir")
+    consolidate.add_argument("output")
+    consolidate.add_argument("--tag", help="default: the one named in 'latest'")
+    consolidate.set_defaults(run=_consolidate)
 
     report = commands.add_parser("report", help="environment report, like ds_report")
     report.set_defaults(run=_report)

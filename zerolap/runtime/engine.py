@@ -310,6 +310,29 @@ class ZerolapEngine(torch.nn.Module):
     def was_step_applied(self) -> bool:
         return self.optimizer.last_applied
 
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True) -> str:
+        """Every rank writes its shard under ``save_dir/tag`` (default ``global_step<N>``);
+        ``latest`` names the tag once all are complete. Call on all ranks."""
+        from zerolap.checkpoint.engine_io import save_checkpoint
+
+        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+
+    def load_checkpoint(
+        self,
+        load_dir,
+        tag=None,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_only=False,
+    ):
+        """Resume from ``load_dir/tag`` (default: ``latest``), saved at any world size and
+        stage; returns ``(load_path, client_state)``. Call on all ranks."""
+        from zerolap.checkpoint.engine_io import load_checkpoint
+
+        return load_checkpoint(
+            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
+        )
+
     def memory_breakdown(self) -> MemoryBreakdown:
         """Bytes of model state this rank holds, against the ZeRO formula for its stage."""
         return measure_memory(self)

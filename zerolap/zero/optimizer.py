@@ -71,6 +71,7 @@ class ZeroOptimizer:
         self.runs = [r for r in layout.runs(owned_ranges, groups) if r.group >= 0]
         self.positions = [to_shard(r.bucket, r.start) for r in self.runs]
         self.master = self._make_master(shard_numel)
+        self.reload_master()
         self.views = [
             self._param_view(r, pos) for r, pos in zip(self.runs, self.positions, strict=True)
         ]
@@ -89,12 +90,16 @@ class ZeroOptimizer:
     def _make_master(self, shard_numel: int) -> torch.Tensor | None:
         if self.flat_params.flat.dtype == torch.float32:
             return None
-        master = torch.zeros(shard_numel, dtype=torch.float32, device=self.flat_params.flat.device)
+        return torch.zeros(shard_numel, dtype=torch.float32, device=self.flat_params.flat.device)
+
+    def reload_master(self) -> None:
+        """Master weights := the current (16-bit) parameters, after they were replaced."""
+        if self.master is None:
+            return
         for run, pos in zip(self.runs, self.positions, strict=True):
-            master[pos : pos + run.end - run.start].copy_(
+            self.master[pos : pos + run.end - run.start].copy_(
                 self.flat_params.region(run.start, run.end)
             )
-        return master
 
     def _param_view(self, run, pos: int) -> torch.Tensor:
         if self.master is None:

@@ -1,0 +1,62 @@
+"""One fp32 state dict from a sharded checkpoint, built one parameter at a time.
+
+Trainable parameters come from the optimizer shards' fp32 values (exact even when the model
+trained in fp16/bf16); buffers and frozen parameters from the module states. Files are
+memory-mapped and each parameter is assembled straight into the output, so peak memory stays
+near the output's size plus the largest parameter, not several times the model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from zerolap.checkpoint.files import MODEL_FILE, CheckpointError, optim_file, read, read_latest
+from zerolap.checkpoint.shards import SegmentIndex
+
+__all__ = ["get_fp32_state_dict"]
+
+
+def _assemble(name: str, shape, index: SegmentIndex) -> torch.Tensor:
+    numel = 1
+    for size in shape:
+        numel *= size
+    if index.covered(name) < numel:
+        raise CheckpointError(
+            f"the optimizer shards hold {index.covered(name)} of the {numel} "
+            f"elements of {name}: a shard is missing or from another run"
+        )
+    full = torch.empty(numel, dtype=torch.float32)
+
+    def put(saved, src, dst, count):
+        full[dst : dst + count] = saved["values"][src : src + count]
+
+    index.fill(name, 0, numel, put)
+    return full.view(shape)
+
+
+def get_fp32_state_dict(checkpoint_dir, tag: str | None = None) -> dict[str, torch.Tensor]:
+    """The model's full state dict in fp32, loadable into the plain model with strict=True."""
+    checkpoint_dir = Path(checkpoint_dir)
+    tag = tag if tag is not None else read_latest(checkpoint_dir)
+    folder = checkpoint_dir / tag
+    if not folder.is_dir():
+        raise CheckpointError(f"tag {tag!r} not found in {checkpoint_dir}")
+    saved = read(folder / MODEL_FILE, what="model states")
+    shards = [
+        read(folder / optim_file(r), what=f"optimizer shard of rank {r}")
+        for r in range(saved["world_size"])
+    ]
+    index = SegmentIndex(shards)
+    built: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in saved["module"].items():
+        name = saved["aliases"].get(key)
+        if name is None:
+            out[key] = tensor.float().clone() if tensor.is_floating_point() else tensor.clone()
+            continue
+        if name not in built:
+            built[name] = _assemble(name, saved["param_shapes"][name], index)
+        out[key] = built[name]
+    return out

@@ -1,0 +1,96 @@
+"""Checkpoint files: DeepSpeed's names, and writes that a crash cannot half-finish.
+
+Layout of ``save_dir``::
+
+    latest                                   the tag of the newest complete checkpoint
+    <tag>/mp_rank_00_model_states.pt         module, counters, scheduler, scaler (rank 0)
+    <tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt   rank r's optimizer shard and RNG
+
+A save writes into ``<tag>.partial`` (each file through a temporary name and ``os.replace``),
+then rank 0 renames the folder to ``<tag>`` and only then points ``latest`` at it. A process
+killed at any moment leaves the previous checkpoint and ``latest`` as they were.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "MODEL_FILE",
+    "CheckpointError",
+    "optim_file",
+    "publish",
+    "read",
+    "read_latest",
+    "write",
+]
+
+MODEL_FILE = "mp_rank_00_model_states.pt"
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, damaged or does not fit the model."""
+
+
+def optim_file(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def partial_dir(save_dir: Path, tag: str) -> Path:
+    return save_dir / f"{tag}.partial"
+
+
+def write(obj, path: Path) -> None:
+    """``torch.save`` to a temporary name, then rename: the file is whole or absent."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def publish(save_dir: Path, tag: str, *, save_latest: bool) -> None:
+    """Rank 0, after every rank wrote its files: ``<tag>.partial`` becomes ``<tag>``."""
+    final, staged = save_dir / tag, partial_dir(save_dir, tag)
+    if final.exists():
+        old = save_dir / f"{tag}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(staged, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(staged, final)
+    if save_latest:
+        _write_text(save_dir / LATEST, tag)
+
+
+def read_latest(load_dir: Path) -> str:
+    path = load_dir / LATEST
+    if not load_dir.is_dir():
+        raise CheckpointError(f"{load_dir} is not a directory")
+    if not path.is_file():
+        tags = sorted(p.name for p in load_dir.iterdir() if (p / MODEL_FILE).is_file())
+        hint = f"; it holds tags {tags}, pass one as tag=" if tags else ""
+        raise CheckpointError(f"{load_dir} is not a checkpoint directory: no 'latest' file{hint}")
+    return path.read_text().strip()
+
+
+def read(path: Path, *, what: str):
+    """Load one checkpoint file, memory-mapped (tensors are read when touched)."""
+    if not path.is_file():
+        raise CheckpointError(f"missing {what}: {path}")
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+    except Exception as err:  # a truncated zip, a foreign file: say which file, not why torch
+        raise CheckpointError(
+            f"{what} {path} is truncated or not a checkpoint file: {err}"
+        ) from None
