@@ -1,12 +1,9 @@
 """Model-state memory per rank: bytes of the tensors the engine holds, against the formulas.
 
-``zero_formula_bytes`` is the ZeRO paper's accounting as DeepSpeed realises it, per parameter,
-with p/g bytes of parameter/gradient, m of master weights (fp32 copy) and k of optimizer state
-(8 for Adam's two fp32 moments), on N ranks:
-
-    stage 0: p + g + k            (fp32: no master; mixed precision: + m)
-    stage 1: p + g + (m + k) / N
-    stage 2: p + (g + m + k) / N
+``zero_formula_bytes`` is the ZeRO paper's accounting as DeepSpeed realises it
+(``profiling.estimate.bytes_per_param``: p + g + m + k bytes per parameter at stage 0, the
+optimizer's m + k sharded at stage 1, g as well at stage 2), with no fp32 master at stage 0 in
+fp32.
 
 For fp32 AdamW that is 16, 8 + 12/N and 4 + 16/N bytes. zerolap keeps no fp32 master of fp32
 weights (the optimizer steps on the flat parameter buffer itself), so ``expected_bytes`` is the
@@ -17,18 +14,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["MemoryBreakdown", "measure_memory", "zero_formula_bytes"]
+from zerolap.profiling.estimate import Precision, bytes_per_param
 
-
-def zero_formula_bytes(
-    stage: int, numel: int, world_size: int, *, param: int, grad: int, master: int, state: int = 8
-) -> float:
-    n = world_size
-    if stage == 0:
-        return numel * (param + grad + master + state)
-    if stage == 1:
-        return numel * (param + grad + (master + state) / n)
-    return numel * (param + (grad + master + state) / n)
+__all__ = ["MemoryBreakdown", "measure_memory"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +48,11 @@ def measure_memory(engine) -> MemoryBreakdown:
     mixed = param_bytes < 4
     grad_bytes = 4 if engine.plan.shard_gradients else param_bytes
     stage, n = engine.plan.stage, engine.world_size
-    formula = dict(param=param_bytes, grad=grad_bytes)
+
+    def formula(master: int) -> float:
+        precision = Precision(param=param_bytes, grad=grad_bytes, master=master, state=8)
+        return numel * bytes_per_param(stage, n, precision)
+
     return MemoryBreakdown(
         rank=engine.global_rank,
         stage=stage,
@@ -71,8 +63,6 @@ def measure_memory(engine) -> MemoryBreakdown:
         master_bytes=engine.optimizer.master_bytes(),
         optimizer_state_bytes=engine.optimizer.state_bytes(),
         bucket_buffer_bytes=engine.grads.buffer_bytes(),
-        expected_bytes=zero_formula_bytes(stage, numel, n, master=4 if mixed else 0, **formula),
-        zero_formula_bytes=zero_formula_bytes(
-            stage, numel, n, master=4 if (mixed or stage > 0) else 0, **formula
-        ),
+        expected_bytes=formula(master=4 if mixed else 0),
+        zero_formula_bytes=formula(master=4 if (mixed or stage > 0) else 0),
     )
