@@ -76,6 +76,11 @@ def _run(args: argparse.Namespace) -> int:
     from torch.distributed import run as torchrun
 
     _positive("-n/--nproc-per-node", args.nproc_per_node)
+    if not 1 <= args.master_port <= 65535:
+        raise CliError(
+            f"--master-port must be a port in 1..65535, got {args.master_port}: "
+            "every rank connects to it"
+        )
     if not Path(args.script).is_file():
         raise CliError(f"{args.script}: no such script")
     argv = [

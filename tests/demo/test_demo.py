@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from tests.comm.test_env import LAUNCHERS
-from tests.multiproc import run_on_ranks
+from tests.multiproc import free_port, run_on_ranks
 from zerolap.demo.train import DemoOptions, run_demo
 
 
@@ -49,6 +49,27 @@ def test_cli_demo_runs_through_the_launcher(tmp_path):
     assert (tmp_path / "timeline.png").exists()
 
 
+def test_cli_run_launches_a_deepspeed_style_script(tmp_path):
+    """``zerolap run`` hands the unchanged DeepSpeed-style example to torchrun."""
+    result = _zerolap(
+        "run",
+        "-n",
+        "2",
+        "--master-port",
+        str(free_port()),
+        "examples/train_gpt.py",
+        "--deepspeed_config",
+        "examples/ds_config_zero2.json",
+        "--steps",
+        "4",
+        "--save_dir",
+        str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "done: 2 optimizer steps, 32 samples" in result.stdout
+    assert (tmp_path / "latest").read_text() == "global_step2"
+
+
 def test_cli_bad_arguments_are_named():
     cases = [
         (["demo", "--stage", "3"], "--stage must be 0, 1 or 2, got 3"),
@@ -60,6 +81,7 @@ def test_cli_bad_arguments_are_named():
         (["estimate", "--model", "nomodule"], "--model must look like module:factory"),
         (["estimate", "--model", "no_such_module:f"], "No module named 'no_such_module'"),
         (["run", "missing.py"], "missing.py: no such script"),
+        (["run", "--master-port", "0", "x.py"], "--master-port must be a port in 1..65535, got 0"),
     ]
     for argv, message in cases:
         result = _zerolap(*argv)
