@@ -117,10 +117,14 @@ def check_point_to_point():
     assert recv.is_completed() and torch.equal(incoming, torch.full((6,), float(left)))
     if rank == 0:
         dist.send(torch.arange(4.0), dst=1)
+        dist.send(torch.ones(2), dst=1)
     elif rank == 1:
         buf = torch.empty(4)
         assert dist.recv(buf, src=0) == 0
         assert torch.equal(buf, torch.arange(4.0))
+        anyone = torch.empty(2)
+        assert dist.recv(anyone) == 0  # from any rank: the sender is returned
+        assert torch.equal(anyone, torch.ones(2))
 
 
 def check_new_group_and_barrier():

@@ -274,7 +274,18 @@ def send(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> N
     isend(tensor, dst, group, tag).wait()
 
 
-def recv(tensor: torch.Tensor, src: int, group: Group = None, tag: int = 0) -> int:
-    """Receive into ``tensor`` from ``src``; returns ``src`` as torch's ``recv`` does."""
-    irecv(tensor, src, group, tag).wait()
-    return src
+def recv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag: int = 0) -> int:
+    """Receive into ``tensor`` from ``src`` (any rank when None); returns the sender's rank."""
+    if src is not None:
+        irecv(tensor, src, group, tag).wait()
+        return src
+    info = check_group("recv", group)
+    check_tensor("recv", "tensor", tensor, info)
+    works: list = []
+
+    def start() -> torch_dist.Work:
+        works.append(torch_dist.irecv(tensor, None, group=group, tag=tag))  # from any source
+        return works[0]
+
+    _launch("irecv", info, tensor, start, True).wait()
+    return works[0]._source_rank()
