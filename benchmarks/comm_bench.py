@@ -225,6 +225,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _wrapper_cost_main(out) -> None:
+    """World size 1, where a collective does almost nothing: the difference between zerolap's
+    call and torch's is the wrapper's own cost (checks, handle, logging branch)."""
+    import torch
+    import torch.distributed as torch_dist
+
+    import zerolap.comm as dist
+
+    torch.set_num_threads(1)
+    dist.init_distributed(dist_backend="gloo", verbose=False)
+    t, flat = torch.ones(1 << 18), torch.empty(1 << 18)
+    gather = getattr(torch_dist, "all_gather_single", torch_dist.all_gather_into_tensor)
+    scatter = getattr(torch_dist, "reduce_scatter_single", torch_dist.reduce_scatter_tensor)
+    pairs = {
+        "all_reduce": (lambda: torch_dist.all_reduce(t), lambda: dist.all_reduce(t)),
+        "broadcast": (lambda: torch_dist.broadcast(t, 0), lambda: dist.broadcast(t, 0)),
+        "all_gather_into_tensor": (
+            lambda: gather(flat, t),
+            lambda: dist.all_gather_into_tensor(flat, t),
+        ),
+        "reduce_scatter_tensor": (
+            lambda: scatter(flat, t),
+            lambda: dist.reduce_scatter_tensor(flat, t),
+        ),
+    }
+
+    def per_call_us(fn, calls: int = 5000) -> float:
+        for _ in range(200):
+            fn()
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - start) / calls)
+        return best * 1e6
+
+    out.put({op: per_call_us(ours) - per_call_us(raw) for op, (raw, ours) in pairs.items()})
+
+
+def wrapper_cost_us() -> dict[str, float]:
+    """Microseconds zerolap adds to each call of each wrapped op (a fresh process)."""
+    import torch.multiprocessing as tmp
+
+    ctx = tmp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_wrapper_cost_main, args=(out,))
+    proc.start()
+    costs = out.get(timeout=300)
+    proc.join()
+    return costs
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     sizes = args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)
@@ -236,6 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for n in args.world_sizes:
         print(report(n, measure(n, sizes, iters, warmup)) + "\n", flush=True)
+    costs = wrapper_cost_us()
+    print("wrapper cost per call (world size 1, tight loop; compare with the latencies above):")
+    for op, us in costs.items():
+        print(f"- {op}: +{us:.1f} us", flush=True)
     print(f"(total {time.perf_counter() - started:.0f} s)", flush=True)
     return 0
 
