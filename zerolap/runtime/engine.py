@@ -19,13 +19,16 @@ from zerolap.config import ZerolapConfig
 from zerolap.runtime.loss_scaler import build_loss_scaler
 from zerolap.runtime.memory import MemoryBreakdown, measure_memory
 from zerolap.runtime.timers import WallClockBreakdown
+from zerolap.zero.fetcher import ParamFetcher
 from zerolap.zero.flat_params import FlatParams
 from zerolap.zero.grad_storage import FullGradients, ShardGradients
-from zerolap.zero.layout import build_layout
+from zerolap.zero.layout import build_layout, layout_from_groups
 from zerolap.zero.optimizer import ZeroOptimizer
 from zerolap.zero.reducer import GradReducer
 from zerolap.zero.reductions import AllReduceBuckets, ReduceScatterBuckets, scale_factors
+from zerolap.zero.sharded_params import ShardedParams
 from zerolap.zero.stages import plan_stage
+from zerolap.zero.units import plan_units
 
 __all__ = ["ZerolapEngine"]
 
@@ -60,15 +63,29 @@ class ZerolapEngine(torch.nn.Module):
         )
         self._warn_unsupported()
         self._cast_module()
-        self.params = trainable_params(module)
+        zero = config.zero_optimization
+        self.units = None  # stage 3's fetch units (zero.units.UnitPlan)
+        if self.plan.shard_params:
+            self.units = plan_units(
+                module,
+                persistence_threshold=zero.param_persistence_threshold,
+                model_persistence_threshold=zero.model_persistence_threshold,
+                bucket_numel=zero.reduce_bucket_size,
+            )
+            self.params = self.units.params
+        else:
+            self.params = trainable_params(module)
         if not self.params:
             raise ValueError("the model has no parameter with requires_grad=True to train")
         self._check_one_dtype()
         self._build_buffers()
         self._broadcast_initial_state()
         self._build_reducer()
+        self.fetcher = self._build_fetcher() if self.plan.shard_params else None
         self.loss_scaler = build_loss_scaler(config.fp16)
         self.optimizer = self._build_optimizer(make_optimizer(self.params))
+        if self.plan.shard_params:
+            self.param_store.after_write_back.append(self.optimizer.reload_master)
         self.lr_scheduler = make_scheduler(self.optimizer.inner)
         self.global_steps = 0
         self.global_samples = 0
@@ -111,28 +128,68 @@ class ZerolapEngine(torch.nn.Module):
                     "trainable parameters must share one dtype and device"
                 )
 
+    def _src_rank(self) -> int:
+        """Global rank of the group's first member: where initial weights come from."""
+        return dist.get_global_rank(self.group, 0) if self.group is not None else 0
+
     def _build_buffers(self) -> None:
         zero = self.config.zero_optimization
-        self.layout = build_layout(
-            [p.numel() for p in self.params],
-            bucket_numel=zero.reduce_bucket_size,
-            world_size=self.world_size,
+        rank = dist.get_rank(self.group)
+        native = dist.get_backend(self.group) == "nccl"
+        if self.units is None:
+            self.layout = build_layout(
+                [p.numel() for p in self.params],
+                bucket_numel=zero.reduce_bucket_size,
+                world_size=self.world_size,
+            )
+            self.param_store = FlatParams(
+                self.params,
+                self.layout,
+                group=self.group,
+                rank=rank,
+                native=native,
+                sharded=self.plan.shard_optimizer and self.world_size > 1,
+            )
+            return
+        self.layout = layout_from_groups(self.units.groups, world_size=self.world_size)
+        first = self.params[0]
+        self.param_store = ShardedParams(
+            self.params,
+            self.layout,
+            self.units.persistent,
+            dtype=first.dtype,
+            device=first.device,
+            group=self.group,
+            rank=rank,
+            src_rank=self._src_rank(),
+            native=native,
         )
-        self.flat_params = FlatParams(self.params, self.layout)
 
     def _broadcast_initial_state(self) -> None:
-        """Every rank starts from rank 0's weights and buffers, as DeepSpeed and DDP do."""
+        """Every rank starts from rank 0's weights and buffers, as DeepSpeed and DDP do (stage
+        3's parameters were broadcast unit by unit as they were sharded)."""
         if self.world_size == 1:
             return
-        src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
-        dist.broadcast(self.flat_params.flat, src=src, group=self.group)
+        if self.units is None:
+            dist.broadcast(self.param_store.flat, src=self._src_rank(), group=self.group)
         for buffer in self.module.buffers():
-            dist.broadcast(buffer.data, src=src, group=self.group)
+            dist.broadcast(buffer.data, src=self._src_rank(), group=self.group)
+
+    def _build_fetcher(self) -> ParamFetcher:
+        zero = self.config.zero_optimization
+        return ParamFetcher(
+            self.param_store,
+            self.units.fetch,
+            self.units.names,
+            prefetch_numel=zero.prefetch_bucket_size,
+            max_live_numel=zero.max_live_parameters,
+            max_reuse_distance=zero.max_reuse_distance,
+        )
 
     def _build_reducer(self) -> None:
-        param_dtype = self.flat_params.flat.dtype
+        param_dtype = self.param_store.dtype
         comm_dtype = self.config.communication_dtype or param_dtype
-        device = self.flat_params.flat.device
+        device = self.param_store.device
         rank = dist.get_rank(self.group)
         if self.plan.shard_gradients:
             self.grads = ShardGradients(
@@ -174,18 +231,15 @@ class ZerolapEngine(torch.nn.Module):
             inner,
             params=self.params,
             layout=self.layout,
-            flat_params=self.flat_params,
+            param_store=self.param_store,
             grads=self.grads,
             owned_ranges=owned,
             to_shard=to_shard,
             shard_numel=shard_numel,
             sharded=self.plan.shard_optimizer and self.world_size > 1,
             group=self.group,
-            rank=rank,
             clip=self.config.gradient_clipping,
             loss_scaler=self.loss_scaler,
-            native_gather=dist.get_backend(self.group) == "nccl",
-            allgather_numel=self.config.zero_optimization.allgather_bucket_size,
         )
 
     # -- training -----------------------------------------------------------------------------
@@ -203,6 +257,8 @@ class ZerolapEngine(torch.nn.Module):
 
     def forward(self, *inputs, **kwargs):
         start = time.perf_counter()
+        if self.fetcher is not None:
+            self.fetcher.begin_step()
         out = self.module(*inputs, **kwargs)
         self._record("forward", start, time.perf_counter())
         return out
@@ -227,6 +283,8 @@ class ZerolapEngine(torch.nn.Module):
         (loss.float() * scale).backward(retain_graph=retain_graph)
         autograd_end = time.perf_counter()
         self.reducer.finish_backward()
+        if self.fetcher is not None:
+            self.fetcher.finish_backward()
         self._record("backward", start, autograd_end)
         self._record("backward_wait", autograd_end, time.perf_counter(), compute=False)
         self._expose_grads()

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+import torch
+
 from zerolap.profiling.estimate import Precision, bytes_per_param
 
 __all__ = ["MemoryBreakdown", "measure_memory"]
@@ -44,7 +46,7 @@ class MemoryBreakdown:
 
 def measure_memory(engine) -> MemoryBreakdown:
     numel = sum(p.numel() for p in engine.params)
-    param_bytes = engine.flat_params.flat.element_size()
+    param_bytes = torch.empty((), dtype=engine.param_store.dtype).element_size()
     mixed = param_bytes < 4
     grad_bytes = 4 if engine.plan.shard_gradients else param_bytes
     stage, n = engine.plan.stage, engine.world_size
@@ -58,7 +60,7 @@ def measure_memory(engine) -> MemoryBreakdown:
         stage=stage,
         world_size=n,
         numel=numel,
-        params_bytes=engine.flat_params.nbytes(),
+        params_bytes=engine.param_store.nbytes(),
         grads_bytes=engine.grads.nbytes(),
         master_bytes=engine.optimizer.master_bytes(),
         optimizer_state_bytes=engine.optimizer.state_bytes(),

@@ -1,26 +1,67 @@
-"""Parameters moved into one contiguous buffer, each ``param.data`` a view into it."""
+"""Stages 0-2: parameters moved into one contiguous buffer, each ``param.data`` a view into it.
+
+Every rank holds every parameter; after a sharded optimizer step each bucket is all-gathered
+from the owners of its chunks (``publish``).
+"""
 
 from __future__ import annotations
 
 import torch
 
-from zerolap.zero.layout import FlatLayout
+from zerolap.zero.gather import all_gather_bucket
+from zerolap.zero.layout import FlatLayout, OwnedRun
 
 __all__ = ["FlatParams"]
 
 
 class FlatParams:
-    def __init__(self, params: list[torch.nn.Parameter], layout: FlatLayout) -> None:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        layout: FlatLayout,
+        *,
+        group,
+        rank: int,
+        native: bool,
+        sharded: bool,
+    ) -> None:
         first = params[0]
         self.layout = layout
+        self.group, self.rank, self.native = group, rank, native
+        self.sharded = sharded  # whether the optimizer updates only this rank's chunks
         self.flat = torch.zeros(layout.numel, dtype=first.dtype, device=first.device)
         for slot, param in zip(layout.slots, params, strict=True):
             view = self.flat[slot.offset : slot.offset + slot.numel].view_as(param)
             view.copy_(param.detach())
             param.data = view
 
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.flat.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.flat.device
+
     def region(self, start: int, end: int) -> torch.Tensor:
         return self.flat[start:end]
+
+    def owned_view(self, run: OwnedRun, shard_pos: int) -> torch.Tensor:
+        """The parameter elements of ``run`` (``shard_pos`` is unused: the buffer is flat)."""
+        return self.flat[run.start : run.end]
+
+    def publish(self) -> None:
+        """Every bucket all-gathered from its chunks' owners, all in flight at once."""
+        if not self.sharded:
+            return
+        handles = [
+            all_gather_bucket(
+                self.flat[b.start : b.end], b, rank=self.rank, group=self.group, native=self.native
+            )
+            for b in self.layout.buckets
+        ]
+        for handle in handles:
+            handle.wait()
 
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()

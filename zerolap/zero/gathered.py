@@ -1,8 +1,12 @@
 """``GatheredParameters``: full parameters inside a ``with`` block.
 
-Under stages 0-2 every rank always holds every parameter in full, so entering gathers nothing.
-With ``modifier_rank`` set, that rank's changes are broadcast to the others on exit so the copies
-stay identical, as they must for data parallelism.
+Stage-3 parameters (sharded by the engine or by ``zero.Init``) are gathered on entry, held so
+that no module hook releases them underneath, and released on exit. With ``modifier_rank`` set,
+that rank's values are broadcast on exit and every rank keeps its chunk of them (and the fp32
+master follows), so changes made there survive. Parameters that are not sharded (stages 0-2)
+are whole already; with ``modifier_rank`` they are broadcast so the copies stay identical.
+
+A collective: every rank must enter with the same parameters.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from collections.abc import Iterable
 import torch
 
 import zerolap.comm as dist
+from zerolap.zero.status import is_sharded
 
 __all__ = ["GatheredParameters"]
 
@@ -22,16 +27,32 @@ class GatheredParameters:
     ) -> None:
         if isinstance(params, torch.Tensor):
             params = [params]
+        elif params is None:
+            params = []
         self.params = list(params) if isinstance(params, Iterable) else [params]
         self.modifier_rank = modifier_rank
         self.enabled = enabled
+        self._held: list[tuple[object, object]] = []
 
     def __enter__(self):
+        if not self.enabled:
+            return self.params
+        by_owner: dict[int, tuple[object, list]] = {}
+        for param in self.params:
+            if is_sharded(param):
+                by_owner.setdefault(id(param.ds_owner), (param.ds_owner, []))[1].append(param)
+        self._held = [(owner, owner.hold(params)) for owner, params in by_owner.values()]
         return self.params
 
     def __exit__(self, *exc) -> None:
-        if not self.enabled or self.modifier_rank is None or not dist.is_initialized():
+        if not self.enabled:
+            return
+        for owner, token in self._held:
+            owner.unhold(token, self.modifier_rank)
+        self._held = []
+        if self.modifier_rank is None or not dist.is_initialized():
             return
         with torch.no_grad():
             for param in self.params:
-                dist.broadcast(param.data, src=self.modifier_rank)
+                if not is_sharded(param):
+                    dist.broadcast(param.data, src=self.modifier_rank)

@@ -21,7 +21,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["BucketLayout", "FlatLayout", "OwnedRun", "ParamSlot", "build_layout"]
+__all__ = [
+    "BucketLayout",
+    "FlatLayout",
+    "OwnedRun",
+    "ParamSlot",
+    "build_layout",
+    "layout_from_groups",
+]
 
 
 @dataclass(frozen=True)
@@ -126,27 +133,34 @@ def build_layout(numels: list[int], *, bucket_numel: int, world_size: int) -> Fl
     ``bucket_numel`` elements, each padded to a multiple of ``world_size``."""
     if bucket_numel <= 0:
         raise ValueError(f"reduce_bucket_size must be positive, got {bucket_numel}")
+    groups: list[list[int]] = []
+    size = 0
+    for numel in numels:
+        if groups and groups[-1] and size + numel > bucket_numel:
+            groups.append([])
+            size = 0
+        if not groups:
+            groups.append([])
+        groups[-1].append(numel)
+        size += numel
+    return layout_from_groups(groups, world_size=world_size)
+
+
+def layout_from_groups(groups: list[list[int]], *, world_size: int) -> FlatLayout:
+    """One bucket per group of parameter sizes (stage 3: one per module), each padded to a
+    multiple of ``world_size``; parameters are numbered in order across groups."""
     if world_size <= 0:
         raise ValueError(f"world_size must be positive, got {world_size}")
     slots: list[ParamSlot] = []
     buckets: list[BucketLayout] = []
-    members: list[int] = []
-    bucket_start = offset = 0
-
-    def close_bucket() -> None:
-        nonlocal bucket_start, offset, members
-        padded = -(-(offset - bucket_start) // world_size) * world_size
-        end = bucket_start + padded
-        buckets.append(BucketLayout(len(buckets), bucket_start, end, tuple(members), world_size))
-        bucket_start = offset = end
-        members = []
-
-    for index, numel in enumerate(numels):
-        if members and offset - bucket_start + numel > bucket_numel:
-            close_bucket()
-        slots.append(ParamSlot(index, offset, numel, len(buckets)))
-        members.append(index)
-        offset += numel
-    if members:
-        close_bucket()
+    start = 0
+    for group in groups:
+        offset, members = start, []
+        for numel in group:
+            slots.append(ParamSlot(len(slots), offset, numel, len(buckets)))
+            members.append(len(slots) - 1)
+            offset += numel
+        end = start + -(-(offset - start) // world_size) * world_size
+        buckets.append(BucketLayout(len(buckets), start, end, tuple(members), world_size))
+        start = end
     return FlatLayout(tuple(slots), tuple(buckets), world_size)

@@ -12,8 +12,8 @@ Phases of ``step()``:
 3. global norm: squares summed over owned runs, all-reduced when the optimizer is sharded;
 4. unscale and clip in one multiply, then the inner optimizer steps;
 5. mixed precision: the master runs are copied back into the 16-bit parameters;
-6. sharded: each bucket of parameters is all-gathered from its owners, asynchronously, with at
-   most ``allgather_bucket_size`` elements in flight.
+6. sharded: the parameter store brings the updated chunks to every rank that needs them
+   (stages 1-2: every bucket all-gathered; stage 3: only the units kept whole).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from collections.abc import Callable
 import torch
 
 import zerolap.comm as dist
-from zerolap.zero.flat_params import FlatParams
 from zerolap.zero.layout import FlatLayout
 
 __all__ = ["ZeroOptimizer"]
@@ -43,30 +42,24 @@ class ZeroOptimizer:
         *,
         params: list[torch.nn.Parameter],
         layout: FlatLayout,
-        flat_params: FlatParams,
+        param_store,
         grads,
         owned_ranges: list[tuple[int, int]],
         to_shard: Callable[[int, int], int],
         shard_numel: int,
         sharded: bool,
         group,
-        rank: int,
         clip: float,
         loss_scaler,
-        native_gather: bool,
-        allgather_numel: int,
     ) -> None:
         self.inner = inner
         self.layout = layout
-        self.flat_params = flat_params
+        self.store = param_store  # FlatParams (stages 0-2) or ShardedParams (stage 3)
         self.grads = grads
         self.sharded = sharded
         self.group = group
-        self.rank = rank
         self.clip = clip
         self.loss_scaler = loss_scaler
-        self.native_gather = native_gather
-        self.allgather_numel = allgather_numel  # allgather_bucket_size
         groups = slot_groups(inner, params)
         self.runs = [r for r in layout.runs(owned_ranges, groups) if r.group >= 0]
         self.positions = [to_shard(r.bucket, r.start) for r in self.runs]
@@ -80,7 +73,7 @@ class ZeroOptimizer:
                 v for v, r in zip(self.views, self.runs, strict=True) if r.group == g
             ]
         inner.state.clear()
-        device = flat_params.flat.device
+        device = param_store.device
         # Stand-ins for a rank whose chunks hold only padding (tiny model, many ranks).
         self._true = torch.tensor(True, device=device)
         self._zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -88,22 +81,20 @@ class ZeroOptimizer:
         self.last_applied = True
 
     def _make_master(self, shard_numel: int) -> torch.Tensor | None:
-        if self.flat_params.flat.dtype == torch.float32:
+        if self.store.dtype == torch.float32:
             return None
-        return torch.zeros(shard_numel, dtype=torch.float32, device=self.flat_params.flat.device)
+        return torch.zeros(shard_numel, dtype=torch.float32, device=self.store.device)
 
     def reload_master(self) -> None:
         """Master weights := the current (16-bit) parameters, after they were replaced."""
         if self.master is None:
             return
         for run, pos in zip(self.runs, self.positions, strict=True):
-            self.master[pos : pos + run.end - run.start].copy_(
-                self.flat_params.region(run.start, run.end)
-            )
+            self.master[pos : pos + run.end - run.start].copy_(self.store.owned_view(run, pos))
 
     def _param_view(self, run, pos: int) -> torch.Tensor:
         if self.master is None:
-            return self.flat_params.region(run.start, run.end)
+            return self.store.owned_view(run, pos)
         return self.master[pos : pos + run.end - run.start]
 
     @property
@@ -163,28 +154,12 @@ class ZeroOptimizer:
         self.last_norm, self.last_applied = norm, True
         if self.master is not None:
             for run, pos in zip(self.runs, self.positions, strict=True):
-                self.flat_params.region(run.start, run.end).copy_(
-                    self.master[pos : pos + run.end - run.start]
-                )
+                self.store.owned_view(run, pos).copy_(self.master[pos : pos + run.end - run.start])
         return True
 
     def publish(self) -> None:
         """Phase 6 (communication only): every rank receives the updated parameters."""
-        if not self.sharded:
-            return
-        handles = []
-        for bucket in self.layout.buckets:
-            region = self.flat_params.region(bucket.start, bucket.end)
-            if self.native_gather:
-                start, end = bucket.chunk(self.rank)
-                mine = region[start - bucket.start : end - bucket.start]
-                handles.append(
-                    dist.all_gather_into_tensor(region, mine, group=self.group, async_op=True)
-                )
-            else:
-                handles.append(dist.ring_all_gather(region, group=self.group, async_op=True))
-        for handle in handles:
-            handle.wait()
+        self.store.publish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in the engine's buffers and are cleared at each accumulation cycle."""

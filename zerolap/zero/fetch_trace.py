@@ -1,0 +1,76 @@
+"""The order in which stage-3 units are fetched in one step, recorded to prefetch the next.
+
+A step is everything from one ``engine.forward`` to the next: the forward's fetches, then the
+backward's. The first step is recorded; later steps are compared with the record fetch by fetch.
+While they agree the fetcher knows what comes next and gathers it ahead; at the first
+disagreement (a branch taken this step only, a different graph in eval) the step is *off trace*:
+the rest of it fetches on demand, and the order it actually took becomes the record for the next
+step. A step that stops early (a forward without backward) is a prefix, not a disagreement.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+
+__all__ = ["FetchTrace"]
+
+
+class FetchTrace:
+    def __init__(self, numels: list[int]) -> None:
+        self.numels = numels  # elements of each unit
+        self.recorded: list[int] | None = None
+        self.current: list[int] = []
+        self.on_trace = False
+        self.misses = 0  # steps that left the record
+        self._positions: dict[int, list[int]] = {}
+        self._prefix: list[int] = [0]
+
+    def begin_step(self) -> bool:
+        """Close the step that ran; True when it produced a new record."""
+        changed = bool(self.current) and (self.recorded is None or not self.on_trace)
+        if changed:
+            self._adopt(self.current)
+        self.current = []
+        self.on_trace = self.recorded is not None
+        return changed
+
+    def _adopt(self, order: list[int]) -> None:
+        self.recorded = list(order)
+        self._positions = {}
+        for pos, unit in enumerate(order):
+            self._positions.setdefault(unit, []).append(pos)
+        self._prefix = [0, *itertools.accumulate(self.numels[u] for u in order)]
+
+    @property
+    def position(self) -> int:
+        """Index of the latest fetch in this step (-1 before the first)."""
+        return len(self.current) - 1
+
+    def observe(self, unit: int) -> bool:
+        """Record a fetch of ``unit``; False once the step is off trace (returns the
+        disagreement as it happens: the caller warns)."""
+        pos = len(self.current)
+        self.current.append(unit)
+        if self.on_trace and (pos >= len(self.recorded) or self.recorded[pos] != unit):
+            self.on_trace = False
+            self.misses += 1
+            return False
+        return True
+
+    def upcoming(self) -> list[int]:
+        """Units the record says come after the latest fetch (empty off trace)."""
+        if not self.on_trace:
+            return []
+        return self.recorded[len(self.current) :]
+
+    def reuse_distance(self, unit: int) -> int | None:
+        """Elements fetched between now and ``unit``'s next use in this step, per the record;
+        None when it is not used again (or the step is off trace)."""
+        if not self.on_trace:
+            return None
+        positions = self._positions.get(unit, [])
+        after = bisect.bisect_right(positions, self.position)
+        if after == len(positions):
+            return None
+        return self._prefix[positions[after]] - self._prefix[self.position + 1]

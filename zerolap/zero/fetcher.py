@@ -1,0 +1,223 @@
+"""Stage 3's just-in-time parameters: module hooks that gather units before use, prefetch the
+ones the recorded order says come next, and release them after.
+
+Per module that needs units (``zero.units``):
+
+* forward pre-hook: fetch its units (wait for them; start them first if nobody prefetched),
+  then prefetch ahead along the record, and hold the units while the module runs;
+* forward post-hook: drop the hold and release, unless the record says the unit is used again
+  within ``stage3_max_reuse_distance`` elements; and, when autograd will run backward through
+  the outputs, hook them so that the module's units are fetched again before its backward;
+* a unit is released in backward once every one of its parameters' gradients has been
+  accumulated (and handed to the reducer): ``finish_backward`` releases whatever is left.
+
+Prefetch keeps at most ``stage3_prefetch_bucket_size`` elements gathered ahead of use and never
+lets more than ``stage3_max_live_parameters`` elements be gathered at once. Every rank issues the
+same gathers in the same order because they all see the same fetches and the same record; the
+record itself is checked to be identical on all ranks once, after the first step.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+import zlib
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+import zerolap.comm as dist
+from zerolap.zero.fetch_trace import FetchTrace
+from zerolap.zero.sharded_params import ShardedParams
+from zerolap.zero.status import ParamStatus
+
+__all__ = ["FetchStats", "ParamFetcher"]
+
+
+@dataclass
+class FetchStats:
+    """Counters since the engine was built (or ``reset``)."""
+
+    fetches: int = 0  # units a module needed
+    prefetched: int = 0  # ... that a prefetch had already started or finished
+    on_demand: int = 0  # ... whose gather started only when needed
+    forward_wait_s: float = 0.0  # time forward blocked on gathers
+    backward_wait_s: float = 0.0  # time backward blocked on gathers
+    trace_misses: int = 0  # steps whose module order left the record
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class ParamFetcher:
+    def __init__(
+        self,
+        store: ShardedParams,
+        fetch: dict[torch.nn.Module, list[int]],
+        names: list[str],
+        *,
+        prefetch_numel: int,
+        max_live_numel: int,
+        max_reuse_distance: int,
+    ) -> None:
+        self.store = store
+        self.names = names
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.max_reuse_distance = max_reuse_distance
+        self.trace = FetchTrace(store.numel)
+        self.stats = FetchStats()
+        self._prefetched: dict[int, None] = {}  # launched ahead, not yet used (ordered)
+        self._checked = False
+        self._slots = [len(b.slots) for b in store.layout.buckets]
+        self._due = list(self._slots)  # gradients still to arrive per unit in this backward
+        self._hooks = []
+        for module, units in fetch.items():
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward(units)))
+            self._hooks.append(module.register_forward_hook(self._post_forward(units)))
+        for slot, param in enumerate(store.params):
+            unit = store.layout.slots[slot].bucket
+            if not store.persistent[unit]:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad(unit)))
+
+    # -- step boundaries ----------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Called by ``engine.forward``: closes the previous step's record and starts the
+        prefetch of this one."""
+        recorded = self.trace.begin_step()
+        if recorded and not self._checked:
+            self._check_same_order()
+            self._checked = True
+        self.store.release_all()  # what a forward-only step left gathered, now stale or unused
+        self._prefetched.clear()
+        self._prefetch()
+
+    def _check_same_order(self) -> None:
+        if dist.get_world_size(self.store.group) == 1:
+            return
+        digest = zlib.crc32(repr(self.trace.recorded).encode()) & 0x7FFFFFFF
+        both = torch.tensor([digest, -digest], dtype=torch.int64, device=self.store.device)
+        dist.all_reduce(both, op="max", group=self.store.group)
+        if both[0].item() != digest or -both[1].item() != digest:
+            raise RuntimeError(
+                f"ZeRO stage 3: rank {dist.get_rank()} ran its modules in a different order "
+                "from another rank in the first step; every rank must run the same modules in "
+                "the same order, or their parameter gathers cannot match"
+            )
+
+    def finish_backward(self) -> None:
+        """After autograd: release every unit (unused parameters' units included)."""
+        self.store.release_all()
+        self._prefetched.clear()
+        self._due = list(self._slots)
+
+    def release_all(self) -> None:
+        """``engine.empty_partition_cache()``."""
+        self.store.release_all()
+        self._prefetched.clear()
+
+    # -- fetching -----------------------------------------------------------------------------
+
+    def _fetch(self, units: list[int], backward: bool) -> None:
+        store = self.store
+        for unit in units:
+            if not self.trace.observe(unit):
+                self._warn_off_trace(unit)
+            self.stats.fetches += 1
+            if unit in self._prefetched:
+                self.stats.prefetched += 1
+                del self._prefetched[unit]
+            elif store.status[unit] == ParamStatus.SHARDED:
+                self.stats.on_demand += 1
+                store.launch(unit)
+            self._prefetch()
+            start = time.perf_counter()
+            if store.wait(unit):
+                waited = time.perf_counter() - start
+                if backward:
+                    self.stats.backward_wait_s += waited
+                else:
+                    self.stats.forward_wait_s += waited
+
+    def _prefetch(self) -> None:
+        if self.prefetch_numel <= 0:
+            return
+        store = self.store
+        ahead = sum(store.numel[u] for u in self._prefetched)
+        live = store.live_numel()
+        for unit in self.trace.upcoming():
+            if store.status[unit] != ParamStatus.SHARDED:
+                continue
+            numel = store.numel[unit]
+            if ahead + numel > self.prefetch_numel or live + numel > self.max_live_numel:
+                return
+            store.launch(unit)
+            self._prefetched[unit] = None
+            ahead += numel
+            live += numel
+
+    def _warn_off_trace(self, unit: int) -> None:
+        self.stats.trace_misses += 1
+        if self.stats.trace_misses == 1:
+            warnings.warn(
+                f"ZeRO stage 3: the modules ran in a different order from the recorded step "
+                f"(fetch {self.trace.position} was '{self.names[unit]}'); gathering on demand "
+                "for the rest of this step and recording the new order. Repeated changes of "
+                "order cost the prefetch; stats in engine.fetch_stats()",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def _keep(self, unit: int) -> bool:
+        """Whether the record says ``unit`` is needed again soon enough to stay gathered."""
+        distance = self.trace.reuse_distance(unit)
+        return (
+            distance is not None
+            and distance < self.max_reuse_distance
+            and self.store.live_numel() <= self.max_live_numel
+        )
+
+    # -- hooks --------------------------------------------------------------------------------
+
+    def _pre_forward(self, units: list[int]):
+        def hook(module, args):
+            self._fetch(units, backward=False)
+            for unit in units:
+                self.store.holds[unit] += 1
+
+        return hook
+
+    def _post_forward(self, units: list[int]):
+        def hook(module, args, output):
+            for unit in units:
+                self.store.holds[unit] -= 1
+                if not self.store.holds[unit] and not self._keep(unit):
+                    self.store.release(unit)
+            if torch.is_grad_enabled():
+                needs_grad = [
+                    t
+                    for t in tree_leaves(output)
+                    if isinstance(t, torch.Tensor) and t.requires_grad
+                ]
+                if needs_grad:
+                    torch.autograd.graph.register_multi_grad_hook(
+                        needs_grad, lambda grads: self._fetch(units, backward=True), mode="any"
+                    )
+
+        return hook
+
+    def _on_grad(self, unit: int):
+        def hook(param) -> None:
+            self._due[unit] -= 1
+            if self._due[unit] == 0:  # every gradient of the unit is in the reducer's hands
+                self._due[unit] = self._slots[unit]
+                self.store.release(unit)
+
+        return hook
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []

@@ -1,0 +1,221 @@
+"""Stage 3's parameter store: this rank's shard, and each unit's full buffer while gathered.
+
+Layout as in stages 0-2 (``zero.layout``), one bucket per fetch unit (``zero.units``): rank r
+keeps chunk r of every bucket in ``shard``, the only parameter memory it holds for sure. A unit
+is gathered into its own full buffer and its parameters' ``.data`` become views of it; released,
+``.data`` is an empty tensor and the buffer's storage shrinks to zero bytes.
+
+The storage is resized rather than replaced so that tensors autograd saved in forward (views
+such as ``weight.t()``) read the values gathered again for backward instead of keeping the old
+buffer alive: between the two passes the unit costs no memory. Persistent units stay gathered
+for good and are all-gathered again after each optimizer step (``publish``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+import zerolap.comm as dist
+from zerolap.zero.gather import all_gather_bucket
+from zerolap.zero.layout import FlatLayout, OwnedRun
+from zerolap.zero.status import ParamStatus, mark
+
+__all__ = ["ShardedParams"]
+
+
+class ShardedParams:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        layout: FlatLayout,
+        persistent: list[bool],
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        group,
+        rank: int,
+        src_rank: int,
+        native: bool,
+    ) -> None:
+        self.params = params  # in layout slot order
+        self.layout = layout
+        self.persistent = persistent
+        self.group, self.rank, self.native = group, rank, native
+        self.dtype, self.device = dtype, device
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        self._shard_offsets = [layout.shard_offset(b.index) for b in layout.buckets]
+        self.full = [self._unallocated(b.numel) for b in layout.buckets]
+        self.status = [ParamStatus.SHARDED] * len(layout.buckets)
+        self.handles: list = [None] * len(layout.buckets)
+        self.holds = [0] * len(layout.buckets)  # users that need the unit whole right now
+        self.unit_of = {id(p): layout.slots[i].bucket for i, p in enumerate(params)}
+        self.after_write_back: list[Callable[[], None]] = []  # e.g. reload the fp32 master
+        for bucket in layout.buckets:
+            self._adopt(bucket.index, src_rank)
+
+    # -- construction -------------------------------------------------------------------------
+
+    def _unallocated(self, numel: int) -> torch.Tensor:
+        full = torch.empty(numel, dtype=self.dtype, device=self.device)
+        full.untyped_storage().resize_(0)
+        return full
+
+    def _allocate(self, unit: int) -> torch.Tensor:
+        full = self.full[unit]
+        full.untyped_storage().resize_(full.numel() * self.itemsize)
+        return full
+
+    def _adopt(self, unit: int, src_rank: int) -> None:
+        """Take the unit's values from its parameters (whole, or sharded by ``zero.Init``),
+        keep this rank's chunk, and release the rest: one unit's full size at a time."""
+        bucket = self.layout.buckets[unit]
+        full = self._allocate(unit)
+        full.zero_()
+        from_init = True
+        for slot in bucket.slots:
+            param, place = self.params[slot], self.layout.slots[slot]
+            target = full[place.offset - bucket.start : place.offset - bucket.start + place.numel]
+            owner = getattr(param, "ds_owner", None)
+            if owner is not None:  # zero.Init: ranks agree already
+                target.copy_(owner.full_value(param).reshape(-1))
+                owner.forget(param)
+            else:
+                from_init = False
+                target.copy_(param.detach().reshape(-1))
+            mark(param, ParamStatus.SHARDED, owner=self)
+        if not from_init and dist.get_world_size(self.group) > 1:
+            dist.broadcast(full, src=src_rank, group=self.group)  # rank 0's initial weights
+        self._chunk_of(unit).copy_(self._own_part(unit, full))
+        self.status[unit] = ParamStatus.AVAILABLE
+        self._attach(unit)
+        if not self.persistent[unit]:
+            self.release(unit)
+
+    # -- gather / release ---------------------------------------------------------------------
+
+    def _chunk_of(self, unit: int) -> torch.Tensor:
+        """This rank's chunk of ``unit`` inside ``shard``."""
+        offset = self._shard_offsets[unit]
+        return self.shard[offset : offset + self.layout.buckets[unit].chunk_numel]
+
+    def _own_part(self, unit: int, full: torch.Tensor) -> torch.Tensor:
+        bucket = self.layout.buckets[unit]
+        start, end = bucket.chunk(self.rank)
+        return full[start - bucket.start : end - bucket.start]
+
+    def _launch_gather(self, unit: int):
+        full = self.full[unit]
+        self._own_part(unit, full).copy_(self._chunk_of(unit))
+        return all_gather_bucket(
+            full, self.layout.buckets[unit], rank=self.rank, group=self.group, native=self.native
+        )
+
+    def launch(self, unit: int) -> None:
+        """Start gathering ``unit`` (no-op unless it is sharded)."""
+        if self.status[unit] != ParamStatus.SHARDED:
+            return
+        self._allocate(unit)
+        self.handles[unit] = self._launch_gather(unit)
+        self._set_status(unit, ParamStatus.GATHERING)
+
+    def wait(self, unit: int) -> bool:
+        """Make ``unit`` available; True when this had to block on (or start) a gather."""
+        if self.status[unit] == ParamStatus.AVAILABLE:
+            return False
+        self.launch(unit)
+        self.handles[unit].wait()
+        self.handles[unit] = None
+        self._attach(unit)
+        return True
+
+    def _attach(self, unit: int) -> None:
+        bucket, full = self.layout.buckets[unit], self.full[unit]
+        for slot in bucket.slots:
+            param, place = self.params[slot], self.layout.slots[slot]
+            start = place.offset - bucket.start
+            param.data = full[start : start + place.numel].view(param.ds_shape)
+        self._set_status(unit, ParamStatus.AVAILABLE)
+
+    def release(self, unit: int) -> None:
+        """Free ``unit``'s full buffer unless it is persistent or held."""
+        if self.persistent[unit] or self.holds[unit] or self.status[unit] == ParamStatus.SHARDED:
+            return
+        if self.status[unit] == ParamStatus.GATHERING:
+            self.wait(unit)  # the collective must complete on every rank
+        for slot in self.layout.buckets[unit].slots:
+            param = self.params[slot]
+            param.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        self.full[unit].untyped_storage().resize_(0)
+        self._set_status(unit, ParamStatus.SHARDED)
+
+    def release_all(self) -> None:
+        for unit in range(len(self.full)):
+            self.release(unit)
+
+    def _set_status(self, unit: int, status: ParamStatus) -> None:
+        self.status[unit] = status
+        for slot in self.layout.buckets[unit].slots:
+            self.params[slot].ds_status = status
+
+    # -- GatheredParameters ---------------------------------------------------------------------
+
+    def hold(self, params: list[torch.nn.Parameter]) -> list[int]:
+        """Gather the units of ``params`` and keep them until ``unhold``."""
+        units = sorted({self.unit_of[id(p)] for p in params})
+        for unit in units:
+            self.launch(unit)
+        for unit in units:
+            self.wait(unit)
+            self.holds[unit] += 1
+        return units
+
+    def unhold(self, units: list[int], modifier_rank: int | None) -> None:
+        if modifier_rank is not None:
+            self.write_back(units, modifier_rank)
+        for unit in units:
+            self.holds[unit] -= 1
+            self.release(unit)
+
+    # -- the optimizer's side -----------------------------------------------------------------
+
+    def owned_view(self, run: OwnedRun, shard_pos: int) -> torch.Tensor:
+        """The shard elements of ``run``, which starts at ``shard_pos`` of this rank's shard."""
+        return self.shard[shard_pos : shard_pos + run.end - run.start]
+
+    def publish(self) -> None:
+        """After a step: gathered copies are stale. Sharded units are released (the next use
+        gathers the new values); persistent ones are all-gathered again, all in flight."""
+        self.release_all()
+        handles = [self._launch_gather(u) for u, keep in enumerate(self.persistent) if keep]
+        for handle in handles:
+            handle.wait()
+
+    def write_back(self, units: list[int], src_rank: int) -> None:
+        """``src_rank`` changed the gathered values of ``units``: every rank takes them and
+        keeps its chunk (``GatheredParameters(modifier_rank=...)``)."""
+        for unit in units:
+            full = self.full[unit]
+            if dist.get_world_size(self.group) > 1:
+                dist.broadcast(full, src=src_rank, group=self.group)
+            self._chunk_of(unit).copy_(self._own_part(unit, full))
+        for callback in self.after_write_back:
+            callback()
+
+    # -- accounting ---------------------------------------------------------------------------
+
+    @property
+    def numel(self) -> list[int]:
+        return [b.numel for b in self.layout.buckets]
+
+    def live_numel(self) -> int:
+        """Elements of sharded units currently gathered or in flight."""
+        units = zip(self.layout.buckets, self.persistent, self.status, strict=True)
+        sharded = ParamStatus.SHARDED
+        return sum(b.numel for b, keep, status in units if not keep and status != sharded)
+
+    def nbytes(self) -> int:
+        shard = self.shard.numel() * self.itemsize
+        return shard + sum(f.untyped_storage().nbytes() for f in self.full)

@@ -1,0 +1,34 @@
+"""The state of a stage-3 parameter, kept on the parameter as DeepSpeed does.
+
+A sharded parameter carries ``ds_status`` (a ``ParamStatus``), ``ds_shape`` and ``ds_numel``
+(its full shape and size, while ``.data`` is empty) and ``ds_owner``: the object that can gather
+it (``zero.Init``'s partition before ``initialize``, the engine's ``ShardedParams`` after).
+"""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+__all__ = ["ParamStatus", "is_sharded", "mark"]
+
+
+class ParamStatus(enum.Enum):
+    SHARDED = "sharded"  # only this rank's shard exists; .data is empty
+    GATHERING = "gathering"  # an all-gather is in flight
+    AVAILABLE = "available"  # .data holds the full parameter
+
+
+def mark(param: torch.nn.Parameter, status: ParamStatus, owner=None) -> None:
+    if not hasattr(param, "ds_shape"):
+        param.ds_shape = tuple(param.shape)
+        param.ds_numel = param.numel()
+    param.ds_status = status
+    if owner is not None:
+        param.ds_owner = owner
+
+
+def is_sharded(param: torch.Tensor) -> bool:
+    """Whether ``param`` is managed by a stage-3 partition (whatever its current status)."""
+    return hasattr(param, "ds_status")
