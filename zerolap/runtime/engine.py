@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 import warnings
+from pathlib import Path
 
 import torch
 
@@ -28,6 +29,7 @@ from zerolap.zero.reducer import GradReducer
 from zerolap.zero.reductions import AllReduceBuckets, ReduceScatterBuckets, scale_factors
 from zerolap.zero.sharded_params import ShardedParams
 from zerolap.zero.stages import plan_stage
+from zerolap.zero.status import is_sharded
 from zerolap.zero.units import plan_units
 
 __all__ = ["ZerolapEngine"]
@@ -62,6 +64,7 @@ class ZerolapEngine(torch.nn.Module):
             config.zero_optimization.stage, reduce_scatter=config.zero_optimization.reduce_scatter
         )
         self._warn_unsupported()
+        self._unshard_unmanaged()
         self._cast_module()
         zero = config.zero_optimization
         self.units = None  # stage 3's fetch units (zero.units.UnitPlan)
@@ -111,6 +114,13 @@ class ZerolapEngine(torch.nn.Module):
                 f"effect: {', '.join(keys)}",
                 stacklevel=3,
             )
+
+    def _unshard_unmanaged(self) -> None:
+        """Parameters that ``zero.Init`` sharded but this engine will not manage (frozen ones,
+        or all of them below stage 3) become whole again."""
+        for param in self.module.parameters():
+            if is_sharded(param) and not (self.plan.shard_params and param.requires_grad):
+                param.ds_owner.unshard(param)
 
     def _cast_module(self) -> None:
         dtype = _DTYPES[self.config.precision]
@@ -390,6 +400,45 @@ class ZerolapEngine(torch.nn.Module):
         return load_checkpoint(
             self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
         )
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return self.config.zero_optimization.gather_16bit_weights_on_model_save
+
+    def save_16bit_model(
+        self, save_dir, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters=False
+    ) -> bool:
+        """Rank 0 writes the model's whole state dict (parameters in their training dtype) to
+        ``save_dir/save_filename``, loadable into the plain model. Under stage 3 this needs
+        ``stage3_gather_16bit_weights_on_model_save``, as in DeepSpeed; without it nothing is
+        written and False is returned. Call on all ranks."""
+        from zerolap.checkpoint.module_state import full_state_dict
+
+        if self.units is not None and not self.zero_gather_16bit_weights_on_model_save():
+            if self.global_rank == 0:
+                warnings.warn(
+                    "save_16bit_model did not save: under ZeRO stage 3 it needs "
+                    "zero_optimization.stage3_gather_16bit_weights_on_model_save: true",
+                    stacklevel=2,
+                )
+            return False
+        state = full_state_dict(self.module, exclude_frozen=exclude_frozen_parameters)
+        if self.global_rank == 0:
+            path = Path(save_dir) / save_filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(state, path)
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+        return True
+
+    def empty_partition_cache(self) -> None:
+        """Release every gathered stage-3 parameter (no-op for stages 0-2)."""
+        if self.fetcher is not None:
+            self.fetcher.release_all()
+
+    def fetch_stats(self) -> dict | None:
+        """Stage 3: gathers per module, how many a prefetch had started, and the time forward
+        and backward waited for parameters; None for stages 0-2."""
+        return None if self.fetcher is None else self.fetcher.stats.as_dict()
 
     def memory_breakdown(self) -> MemoryBreakdown:
         """Bytes of model state this rank holds, against the ZeRO formula for its stage."""

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from zerolap.profiling.estimate import Precision, bytes_per_param
+from zerolap.zero.status import full_numel
 
 __all__ = ["MemoryBreakdown", "measure_memory"]
 
@@ -45,7 +46,7 @@ class MemoryBreakdown:
 
 
 def measure_memory(engine) -> MemoryBreakdown:
-    numel = sum(p.numel() for p in engine.params)
+    numel = sum(full_numel(p) for p in engine.params)
     param_bytes = torch.empty((), dtype=engine.param_store.dtype).element_size()
     mixed = param_bytes < 4
     grad_bytes = 4 if engine.plan.shard_gradients else param_bytes

@@ -11,7 +11,7 @@ import enum
 
 import torch
 
-__all__ = ["ParamStatus", "is_sharded", "mark"]
+__all__ = ["ParamStatus", "full_numel", "full_shape", "is_sharded", "mark"]
 
 
 class ParamStatus(enum.Enum):
@@ -32,3 +32,12 @@ def mark(param: torch.nn.Parameter, status: ParamStatus, owner=None) -> None:
 def is_sharded(param: torch.Tensor) -> bool:
     """Whether ``param`` is managed by a stage-3 partition (whatever its current status)."""
     return hasattr(param, "ds_status")
+
+
+def full_numel(param: torch.Tensor) -> int:
+    """Elements of the whole parameter, sharded or not."""
+    return param.ds_numel if is_sharded(param) else param.numel()
+
+
+def full_shape(param: torch.Tensor) -> tuple[int, ...]:
+    return tuple(param.ds_shape) if is_sharded(param) else tuple(param.shape)

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zerolap.zero.status import full_numel
+
 __all__ = ["UnitPlan", "plan_units"]
 
 
@@ -65,7 +67,7 @@ def plan_units(
     names: list[str] = []
     bucket_of: dict[int, int] = {}
     for name, _mod, mine in reversed(owned):
-        numel = sum(p.numel() for p in mine)
+        numel = sum(full_numel(p) for p in mine)
         keep = numel < persistence_threshold and numel <= persistent_budget
         if keep:
             persistent_budget -= numel
@@ -79,7 +81,7 @@ def plan_units(
         for param in mine:
             bucket_of[id(param)] = len(groups) - 1
             params.append(param)
-            groups[-1].append(param.numel())
+            groups[-1].append(full_numel(param))
     fetch = {}
     for mod in module.modules():
         needed = sorted(

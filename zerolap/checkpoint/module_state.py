@@ -1,0 +1,36 @@
+"""The model's state dict with whole parameters, as a plain ``torch.nn.Module`` would give it.
+
+Under stage 3 each module's sharded parameters are gathered together, copied to CPU on rank 0
+and released before the next module's, so no rank ever holds more than one module's parameters
+beyond what it kept already. Stages 0-2 hold every parameter whole; nothing is gathered.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import zerolap.comm as dist
+from zerolap.zero.gathered import GatheredParameters
+from zerolap.zero.status import is_sharded
+
+__all__ = ["full_state_dict"]
+
+
+def full_state_dict(module: torch.nn.Module, *, exclude_frozen: bool = False) -> dict:
+    """On rank 0 the whole state dict on CPU (keys and order of ``module.state_dict()``); on
+    the other ranks an empty dict. A collective under stage 3: call it on every rank."""
+    on_rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    entries = module.state_dict(keep_vars=True)
+    by_module: dict[str, list[str]] = {}
+    for key in entries:
+        by_module.setdefault(key.rpartition(".")[0], []).append(key)
+    out = {}
+    for keys in by_module.values():
+        sharded = [entries[k] for k in keys if is_sharded(entries[k])]
+        with GatheredParameters(sharded):
+            for key in keys:
+                tensor = entries[key]
+                frozen = isinstance(tensor, torch.nn.Parameter) and not tensor.requires_grad
+                if on_rank0 and not (exclude_frozen and frozen):
+                    out[key] = tensor.detach().to("cpu", copy=True)
+    return out
