@@ -65,23 +65,65 @@ DISTURBED_CORES = 0.25
 
 @dataclass(frozen=True)
 class System:
+    key: str  # how --systems names it
     name: str
-    kind: str  # "local", "ddp", "torch_zero" or "zerolap"
+    kind: str  # "local", "ddp", "torch_zero", "fsdp2" or "zerolap"
     stage: int = 0  # zerolap's ZeRO stage
     reduce_scatter: bool = True  # zerolap's zero_optimization.reduce_scatter
+    prefetch: bool = True  # stage 3: stage3_prefetch_bucket_size as STAGE3, or 0
 
 
 SYSTEMS: tuple[System, ...] = (
-    System("compute only (no communication)", "local"),
-    System("torch DDP", "ddp"),
-    System("torch ZeroRedundancyOptimizer", "torch_zero"),
-    System("zerolap stage 0", "zerolap", stage=0),
-    System("zerolap stage 1", "zerolap", stage=1),
-    System("zerolap stage 2", "zerolap", stage=2),
-    System("zerolap stage 2, reduce_scatter=false", "zerolap", stage=2, reduce_scatter=False),
+    System("local", "compute only (no communication)", "local"),
+    System("ddp", "torch DDP", "ddp"),
+    System("torch_zero", "torch ZeroRedundancyOptimizer", "torch_zero"),
+    System("fsdp2", "torch FSDP2 (fully_shard)", "fsdp2"),
+    System("stage0", "zerolap stage 0", "zerolap", stage=0),
+    System("stage1", "zerolap stage 1", "zerolap", stage=1),
+    System("stage2", "zerolap stage 2", "zerolap", stage=2),
+    System(
+        "stage2_allreduce",
+        "zerolap stage 2, reduce_scatter=false",
+        "zerolap",
+        stage=2,
+        reduce_scatter=False,
+    ),
+    System("stage3", "zerolap stage 3", "zerolap", stage=3),
+    System(
+        "stage3_no_prefetch",
+        "zerolap stage 3, prefetch_bucket_size=0",
+        "zerolap",
+        stage=3,
+        prefetch=False,
+    ),
 )
+# --systems also takes these names for sets of systems.
+SYSTEM_SETS: dict[str, tuple[str, ...]] = {
+    "all": tuple(s.key for s in SYSTEMS),
+    "stages012": ("local", "ddp", "torch_zero", "stage0", "stage1", "stage2", "stage2_allreduce"),
+    "stage3": ("ddp", "fsdp2", "stage3", "stage3_no_prefetch"),
+}
+# zero_optimization keys of the stage-3 systems, chosen to do what FSDP2 does with
+# reshard_after_forward=True, one unit of memory ahead:
+# * param_persistence_threshold: DeepSpeed's default (1e5). It keeps the LayerNorms whole (1024
+#   elements each, 0.06% of the 42M model); every Linear and both embeddings are sharded.
+#   FSDP2 shards everything, but its root group (embeddings, final norm) stays gathered from
+#   forward to backward, so the two keep about as much whole.
+# * max_reuse_distance 0: release every unit after its forward and gather it again for its
+#   backward, as reshard_after_forward=True does (DeepSpeed's default of 1e9 would keep this
+#   whole model gathered from forward to backward and skip the backward all-gather).
+# * prefetch_bucket_size: a transformer block of the 42M model (3.15M elements; a bigger share
+#   of the small one), about what FSDP2 gathers ahead (the next block). DeepSpeed's default of
+#   5e7 would gather the whole 42M model ahead at the start of forward and of backward.
+STAGE3 = {
+    "stage3_param_persistence_threshold": 100_000,
+    "stage3_max_reuse_distance": 0,
+    "stage3_prefetch_bucket_size": 3_200_000,
+}
 # Theoretical bytes sent per rank per step for the torch systems, in units of Psi(N-1)/N * 4.
-THEORY_WIRE_UNITS = {"local": 0.0, "ddp": 2.0, "torch_zero": 3.0}
+# FSDP2: all-gather in forward, again in backward, reduce-scatter of the gradients (on gloo its
+# reduce_scatter_tensor moves an all-reduce's volume, so the wire really carries 4: FACTS.md).
+THEORY_WIRE_UNITS = {"local": 0.0, "ddp": 2.0, "torch_zero": 3.0, "fsdp2": 3.0}
 
 
 @dataclass(frozen=True)
@@ -109,6 +151,7 @@ class RankResult:
     window_cpu_s: float  # this process's CPU time over them
     window_busy_s: float  # the whole machine's busy CPU time over them (rank 0 only)
     overlap: tuple[float, float, float] | None  # backward's (eta, exposed s, comm s), zerolap
+    fetch: dict | None  # stage 3: engine.fetch_stats() counters over the measured steps
 
 
 @dataclass
@@ -123,6 +166,7 @@ class SystemResult:
     eta: float = float("nan")  # share of backward's gradient reduction hidden behind compute
     exposed_ms: float = float("nan")  # reduction time backward waited for at its end
     comm_ms: float = float("nan")  # reduction time in all
+    fetch: dict | None = None  # stage 3: fetch_stats() per measured step, mean over ranks
     losses: list[float] = field(default_factory=list)
     seconds: float = 0.0  # wall time of the system's runs, spawn included
     error: str | None = None
@@ -132,7 +176,9 @@ class SystemResult:
 
 
 def _tensor_bytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """Bytes this rank holds: a DTensor (FSDP2) counts its local shard only."""
+    local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors)
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 def _optimizer_state_tensors(optimizer):
@@ -162,6 +208,7 @@ class _Trainer:
     state_bytes: Callable[[], int]
     logged: bool  # whether the comms logger can measure this system's wire bytes
     overlap: Callable[[], tuple[float, float, float]] | None = None  # after a logged step
+    fetch_stats: Callable[[], dict | None] | None = None  # stage 3's cumulative counters
 
 
 def _torch_trainer(system: System, model) -> _Trainer:
@@ -197,6 +244,35 @@ def _torch_trainer(system: System, model) -> _Trainer:
     return _Trainer(step, state_bytes, logged=False)
 
 
+def _fsdp2_trainer(model, world_size: int) -> _Trainer:
+    """torch's FSDP2: ``fully_shard`` on every transformer block, then on the root (embeddings,
+    final norm, tied head), in fp32, resharding after forward as ZeRO-3 does."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
+
+    def step(inputs, targets) -> float:
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    def state_bytes() -> int:
+        params = list(model.parameters())
+        grads = [p.grad for p in params if p.grad is not None]
+        states = _optimizer_state_tensors(optimizer)
+        return _tensor_bytes(params) + _tensor_bytes(grads) + _tensor_bytes(states)
+
+    return _Trainer(step, state_bytes, logged=False)
+
+
 def _zerolap_trainer(system: System, model, micro_batch: int) -> _Trainer:
     import zerolap
 
@@ -214,6 +290,10 @@ def _zerolap_trainer(system: System, model, micro_batch: int) -> _Trainer:
             "reduce_bucket_size": BUCKET_NUMEL,
         },
     }
+    if system.stage == 3:
+        config["zero_optimization"] |= STAGE3
+        if not system.prefetch:
+            config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
     engine, _, _, _ = zerolap.initialize(model=model, config=config)
     backward_start = [0.0]
 
@@ -240,7 +320,11 @@ def _zerolap_trainer(system: System, model, micro_batch: int) -> _Trainer:
         return stats.eta, stats.exposed_comm_s, stats.comm_s
 
     return _Trainer(
-        step, lambda: engine.memory_breakdown().total_bytes, logged=True, overlap=overlap
+        step,
+        lambda: engine.memory_breakdown().total_bytes,
+        logged=True,
+        overlap=overlap,
+        fetch_stats=engine.fetch_stats,
     )
 
 
@@ -267,10 +351,14 @@ def _train(rank: int, spec: RunSpec, system: System, port: int) -> RankResult:
     ]
     if system.kind == "zerolap":
         trainer = _zerolap_trainer(system, model, spec.micro_batch)
+    elif system.kind == "fsdp2":
+        trainer = _fsdp2_trainer(model, spec.world_size)
     else:
         trainer = _torch_trainer(system, model)
     step_s, losses, wire_bytes, overlap = [], [], None, None
     window: dict[str, float] = {}
+    fetch_stats = trainer.fetch_stats or (lambda: None)
+    fetch: dict | None = None
     for index, (inputs, targets) in enumerate(batches):
         logging = trainer.logged and index == spec.total_steps - 1
         if logging:
@@ -280,6 +368,9 @@ def _train(rank: int, spec: RunSpec, system: System, port: int) -> RankResult:
         if index in (spec.warmup, spec.warmup + spec.steps):  # the measured window's ends
             ends = {"wall": time.perf_counter(), "cpu": _cpu_s(), "busy": _machine_busy_s()}
             window = {k: v - window.get(k, 0.0) for k, v in ends.items()}
+            counters = fetch_stats()
+            if counters is not None:
+                fetch = {k: v - (fetch or {}).get(k, 0) for k, v in counters.items()}
         start = time.perf_counter()
         losses.append(trainer.step(inputs, targets))
         step_s.append(time.perf_counter() - start)
@@ -301,6 +392,7 @@ def _train(rank: int, spec: RunSpec, system: System, port: int) -> RankResult:
         window_cpu_s=window["cpu"],
         window_busy_s=window["busy"] if rank == 0 else 0.0,
         overlap=overlap,
+        fetch=fetch,
     )
 
 
@@ -386,6 +478,12 @@ def summarise(spec: RunSpec, system: System, rounds: list[list[RankResult]]) -> 
         if overlaps
         else (float("nan"),) * 3
     )
+    fetches = [r.fetch for ranks in rounds for r in ranks if r.fetch is not None]
+    fetch = (
+        {k: statistics.mean(f[k] for f in fetches) / spec.steps for k in fetches[0]}
+        if fetches
+        else None
+    )
     return SystemResult(
         system,
         step_s=statistics.median(slowest),
@@ -397,6 +495,7 @@ def summarise(spec: RunSpec, system: System, rounds: list[list[RankResult]]) -> 
         eta=eta,
         exposed_ms=exposed * 1e3,
         comm_ms=comm * 1e3,
+        fetch=fetch,
         losses=losses,
     )
 
@@ -424,15 +523,20 @@ def _least_disturbed(
 
 
 def run_spec(
-    spec: RunSpec, *, rounds: int = 1, retries: int = 1, log: Callable[[str], object] = print
+    spec: RunSpec,
+    *,
+    systems: tuple[System, ...] = SYSTEMS,
+    rounds: int = 1,
+    retries: int = 1,
+    log: Callable[[str], object] = print,
 ) -> list[SystemResult]:
-    """Every system of ``SYSTEMS`` on ``spec``, ``rounds`` times in alternating order; one
-    result per system, in ``SYSTEMS`` order. A system that fails is reported, not raised."""
-    runs: dict[System, list[list[RankResult]]] = {s: [] for s in SYSTEMS}
-    seconds = dict.fromkeys(SYSTEMS, 0.0)
+    """Every one of ``systems`` on ``spec``, ``rounds`` times in alternating order; one result
+    per system, in the order given. A system that fails is reported, not raised."""
+    runs: dict[System, list[list[RankResult]]] = {s: [] for s in systems}
+    seconds = dict.fromkeys(systems, 0.0)
     errors: dict[System, str] = {}
     for round_index in range(rounds):
-        order = SYSTEMS if round_index % 2 == 0 else SYSTEMS[::-1]
+        order = systems if round_index % 2 == 0 else systems[::-1]
         for system in order:
             if system in errors:
                 continue
@@ -444,7 +548,7 @@ def run_spec(
                 log(f"  [{spec.model} N={spec.world_size}] {system.name}: FAILED")
             seconds[system] += time.perf_counter() - began
     results = []
-    for system in SYSTEMS:
+    for system in systems:
         if system in errors:
             result = SystemResult(system, error=errors[system])
         else:
@@ -461,10 +565,9 @@ def _ratio(a: float, b: float) -> float:
     return a / b if b > 0 else float("nan")
 
 
-def _find(results: list[SystemResult], kind: str, stage: int = 0) -> SystemResult | None:
+def _find(results: list[SystemResult], key: str) -> SystemResult | None:
     for r in results:
-        system = r.system
-        if system.kind == kind and system.stage == stage and system.reduce_scatter and not r.error:
+        if r.system.key == key and not r.error:
             return r
     return None
 
@@ -504,24 +607,47 @@ def format_table(spec: RunSpec, numel: int, results: list[SystemResult], rounds:
     return "\n".join(lines)
 
 
+def format_fetches(results: list[SystemResult]) -> str:
+    """Stage 3's gathers per measured step (``engine.fetch_stats()``), mean over ranks."""
+    rows = [r for r in results if r.fetch is not None]
+    if not rows:
+        return ""
+    lines = [
+        "| system | fetches / step | prefetched | on demand | forward wait ms | backward wait ms |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        f = r.fetch
+        lines.append(
+            f"| {r.system.name} | {f['fetches']:.0f} | {f['prefetched']:.1f} | "
+            f"{f['on_demand']:.1f} | {f['forward_wait_s'] * 1e3:.1f} | "
+            f"{f['backward_wait_s'] * 1e3:.1f} |"
+        )
+    return "\n".join(lines)
+
+
 def format_summary(spec: RunSpec, results: list[SystemResult]) -> list[str]:
     """Rows of the summary table: zerolap's step time against the peer it must match."""
 
-    def step(kind: str, stage: int = 0) -> float:
-        found = _find(results, kind, stage)
+    def step(key: str) -> float:
+        found = _find(results, key)
         return found.step_s if found else float("nan")
 
     ddp, zero = step("ddp"), step("torch_zero")
     checks = [
-        ("stage 0 / DDP", step("zerolap", 0), ddp, 1.05),
-        ("stage 1 / ZeroRedundancyOptimizer", step("zerolap", 1), zero, 1.0),
-        ("stage 2 / ZeroRedundancyOptimizer", step("zerolap", 2), zero, 1.0),
-        ("DDP / compute only", ddp, step("local"), float("inf")),
+        ("stage 0 / DDP", step("stage0"), ddp, 1.05),
+        ("stage 1 / ZeroRedundancyOptimizer", step("stage1"), zero, 1.0),
+        ("stage 2 / ZeroRedundancyOptimizer", step("stage2"), zero, 1.0),
+        ("stage 3 / FSDP2", step("stage3"), step("fsdp2"), 1.0),
+        ("stage 3, no prefetch / stage 3", step("stage3_no_prefetch"), step("stage3"), math.inf),
+        ("DDP / compute only", ddp, step("local"), math.inf),
     ]
     rows = []
     for label, ours, theirs, target in checks:
         ratio = _ratio(ours, theirs)
-        verdict = "-" if target == float("inf") else ("ok" if ratio <= target else "OVER")
+        if math.isnan(ratio):
+            continue  # one of the two was not run
+        verdict = "-" if target == math.inf else ("ok" if ratio <= target else "OVER")
         where = f"| {spec.model} | {spec.world_size} | {label} |"
         rows.append(f"{where} {ratio:.3f} | {'' if verdict == '-' else target} | {verdict} |")
     return rows
@@ -538,6 +664,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="measured steps per system")
     parser.add_argument("--warmup", type=int, default=None, help="unmeasured steps first")
     parser.add_argument("--micro-batch", type=int, default=None, help="override the presets")
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        choices=[*SYSTEM_SETS, *(s.key for s in SYSTEMS if s.key not in SYSTEM_SETS)],
+        default=["all"],
+        metavar="SYSTEM",
+        help="systems to run, by key ("
+        + ", ".join(s.key for s in SYSTEMS)
+        + ") or set ("
+        + "; ".join(f"{name}: {' '.join(keys)}" for name, keys in SYSTEM_SETS.items())
+        + "); default all",
+    )
     parser.add_argument(
         "--rounds", type=int, default=1, help="runs per system, in alternating order (pooled)"
     )
@@ -568,10 +706,17 @@ def _specs(args: argparse.Namespace) -> list[RunSpec]:
     return specs
 
 
+def _systems(names: list[str]) -> tuple[System, ...]:
+    """The systems ``names`` (keys or set names) select, in ``SYSTEMS`` order."""
+    keys = {key for name in names for key in SYSTEM_SETS.get(name, (name,))}
+    return tuple(s for s in SYSTEMS if s.key in keys)
+
+
 def main(argv: list[str] | None = None) -> list[SystemResult]:
     """Run the benchmark, print its tables (markdown) and return every row."""
     args = _parse(argv)
     specs = _specs(args)
+    systems = _systems(args.systems)
     retries = args.retries if args.retries is not None else (0 if args.quick else 1)
     saved = {key: os.environ.get(key) for key in ENV}
     os.environ.update(ENV)  # inherited by every spawned rank, for every system alike
@@ -592,9 +737,16 @@ def main(argv: list[str] | None = None) -> list[SystemResult]:
         for spec in specs:
             numel = sum(p.numel() for p in build_gpt(spec.model).parameters())
             results = run_spec(
-                spec, rounds=args.rounds, retries=retries, log=lambda s: print(s, file=sys.stderr)
+                spec,
+                systems=systems,
+                rounds=args.rounds,
+                retries=retries,
+                log=lambda s: print(s, file=sys.stderr),
             )
             print(format_table(spec, numel, results, args.rounds) + "\n", flush=True)
+            fetches = format_fetches(results)
+            if fetches:
+                print(f"Stage 3's gathers per step:\n\n{fetches}\n", flush=True)
             summary += format_summary(spec, results)
             everything += results
     finally:
