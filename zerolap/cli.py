@@ -54,8 +54,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     _positive("--world-size", args.world_size)
     _positive("--steps", args.steps)
-    if args.stage not in (0, 1, 2):
-        raise CliError(f"--stage must be 0, 1 or 2, got {args.stage}")
+    if args.stage not in (0, 1, 2, 3):
+        raise CliError(f"--stage must be 0, 1, 2 or 3, got {args.stage}")
     if args.model_size not in MODEL_SIZES:
         raise CliError(f"--model-size must be one of {', '.join(MODEL_SIZES)}")
     if args.config and not Path(args.config).is_file():
@@ -190,7 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo = commands.add_parser(
         "demo", help="train a small GPT on local processes and show memory, bytes and overlap"
     )
-    demo.add_argument("--stage", type=int, default=2, help="ZeRO stage 0-2 (default 2)")
+    demo.add_argument("--stage", type=int, default=2, help="ZeRO stage 0-3 (default 2)")
     demo.add_argument("--world-size", type=int, default=2, help="processes (default 2)")
     demo.add_argument("--steps", type=int, default=450, help="optimizer steps (default 450)")
     demo.add_argument("--model-size", default="tiny", help="tiny or small (default tiny)")

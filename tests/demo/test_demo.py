@@ -72,7 +72,7 @@ def test_cli_run_launches_a_deepspeed_style_script(tmp_path):
 
 def test_cli_bad_arguments_are_named():
     cases = [
-        (["demo", "--stage", "3"], "--stage must be 0, 1 or 2, got 3"),
+        (["demo", "--stage", "4"], "--stage must be 0, 1, 2 or 3, got 4"),
         (["demo", "--world-size", "0"], "--world-size must be >= 1, got 0"),
         (["demo", "--model-size", "huge"], "--model-size must be one of tiny, small"),
         (["demo", "--config", "/nonexistent.json"], "--config /nonexistent.json: no such file"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-__all__ = ["covered", "intersection_length", "union"]
+__all__ = ["covered", "intersection_length", "subtract", "union"]
 
 Interval = tuple[float, float]
 
@@ -39,3 +39,21 @@ def intersection_length(a: Iterable[Interval], b: Iterable[Interval]) -> float:
         else:
             j += 1
     return total
+
+
+def subtract(a: Iterable[Interval], b: Iterable[Interval]) -> list[Interval]:
+    """The points of ``a`` not in ``b``, as sorted disjoint intervals."""
+    out: list[Interval] = []
+    holes = union(b)
+    for start, end in union(a):
+        for lo, hi in holes:
+            if hi <= start or lo >= end:
+                continue
+            if lo > start:
+                out.append((start, lo))
+            start = max(start, hi)
+            if start >= end:
+                break
+        if start < end:
+            out.append((start, end))
+    return out

@@ -3,7 +3,8 @@
 Sources, all at boundaries that already exist:
 * the engine reports its phases (``forward``, ``backward`` up to the end of autograd,
   ``optimizer``) through ``record``; waits (the end-of-backward reduction wait, the parameter
-  all-gather) are not compute and are not reported as such;
+  all-gather, stage 3's waits for gathered parameters) are not compute: a wait inside a compute
+  phase is cut out of it;
 * optional per-block forward/backward spans from module hooks (``blocks=``);
 * every collective's span from the comms logger's records (launch to completion, timed by the
   backend's completion callback), which the profiler switches on while it is attached.
@@ -26,6 +27,7 @@ import torch
 
 import zerolap.comm as dist
 from zerolap.comm.logger import COMMS_LOGGER
+from zerolap.profiling.intervals import subtract
 from zerolap.profiling.overlap import OverlapStats, overlap_stats
 from zerolap.profiling.timeline import COMM, COMPUTE, Span, write_chrome_trace, write_timeline_png
 
@@ -41,6 +43,7 @@ class StepProfiler:
         self.step = 0
         self._step_start: float | None = None
         self._records_seen = 0
+        self._waits: list[tuple[float, float]] = []  # this step's waits, reported by the engine
         self._hooks = []
         self._block_starts: dict[str, float] = {}
         self._logger_config = COMMS_LOGGER.config
@@ -98,6 +101,8 @@ class StepProfiler:
             self._close_step(end)
         elif compute:
             self._add(COMPUTE, phase, start, end)
+        else:
+            self._waits.append((start, end))
 
     def _close_step(self, end: float) -> None:
         for record in COMMS_LOGGER.records[self._records_seen :]:
@@ -108,6 +113,9 @@ class StepProfiler:
         start = self._step_start
         mine = [s for s in self.spans if s.step == self.step]
         compute = [(s.start, s.end) for s in mine if s.lane == COMPUTE and ":" not in s.name]
+        # A wait inside a compute phase (stage 3's forward blocked on a gather) computes nothing.
+        compute = subtract(compute, self._waits)
+        self._waits = []
         comm = [(s.start, s.end) for s in mine if s.lane == COMM]
         self.stats.append(overlap_stats(compute, comm, step=(start, end)))
         self.step += 1

@@ -194,6 +194,7 @@ class ZerolapEngine(torch.nn.Module):
             prefetch_numel=zero.prefetch_bucket_size,
             max_live_numel=zero.max_live_parameters,
             max_reuse_distance=zero.max_reuse_distance,
+            record=self._record,
         )
 
     def _build_reducer(self) -> None:

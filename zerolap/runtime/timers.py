@@ -2,7 +2,8 @@
 
 The engine reports phases to every attached recorder (this one, a ``StepProfiler``, ...):
 ``forward``, ``backward`` (autograd), ``backward_wait`` (the end-of-backward wait for gradient
-reductions), ``optimizer``, ``allgather_wait`` (updated parameters arriving) and ``step_end``.
+reductions), ``optimizer``, ``allgather_wait`` (updated parameters arriving) and ``step_end``;
+stage 3 adds ``fetch_wait`` (parameters awaited inside forward and backward, so part of them).
 """
 
 from __future__ import annotations

@@ -60,8 +60,10 @@ class ParamFetcher:
         prefetch_numel: int,
         max_live_numel: int,
         max_reuse_distance: int,
+        record=None,
     ) -> None:
         self.store = store
+        self.record = record  # record(phase, start, end, compute): the engine's phase recorders
         self.names = names
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
@@ -135,11 +137,13 @@ class ParamFetcher:
             self._prefetch()
             start = time.perf_counter()
             if store.wait(unit):
-                waited = time.perf_counter() - start
+                end = time.perf_counter()
                 if backward:
-                    self.stats.backward_wait_s += waited
+                    self.stats.backward_wait_s += end - start
                 else:
-                    self.stats.forward_wait_s += waited
+                    self.stats.forward_wait_s += end - start
+                if self.record is not None:
+                    self.record("fetch_wait", start, end, False)
 
     def _prefetch(self) -> None:
         if self.prefetch_numel <= 0:
