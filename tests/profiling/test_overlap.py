@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zerolap.profiling.intervals import covered, intersection_length, union
+from zerolap.profiling.intervals import covered, intersection_length, subtract, union
 from zerolap.profiling.overlap import overlap_stats
 
 
@@ -17,6 +17,14 @@ def test_intersection_length():
     assert intersection_length([(0, 10)], [(2, 3), (9, 12)]) == 2
     assert intersection_length([(0, 1), (2, 3)], [(1, 2)]) == 0
     assert intersection_length([], [(0, 1)]) == 0
+
+
+def test_subtract_cuts_holes_out_of_intervals():
+    # A forward span with two waits inside it, one wait overhanging its end, one outside.
+    got = subtract([(0, 10), (20, 30)], [(2, 3), (5, 6), (9, 12), (40, 50)])
+    assert got == [(0, 2), (3, 5), (6, 9), (20, 30)]
+    assert subtract([(0, 4)], [(0, 4)]) == []
+    assert subtract([(0, 4)], []) == [(0, 4)]
 
 
 def test_fully_hidden_communication():
