@@ -1,11 +1,13 @@
 """Checkpoint save/load time and consolidation peak memory against model size (not a test).
 
-For each size, a 2-rank ZeRO-2 engine (gloo, fp32 AdamW) trains one step, saves, and a fresh
-engine loads the checkpoint; then a separate process consolidates it to one fp32 state dict
-while its peak RSS is read. Peak memory is reported above the process's baseline (Python, torch
-and zerolap imported) and against the size of the output, which any consolidation must hold.
+For each size, a 2-rank ZeRO engine (stage 2, or ``--stage``; gloo, fp32 AdamW) trains one step,
+saves, and a fresh engine loads the checkpoint; then a separate process consolidates it to one
+fp32 state dict while its peak RSS is read. Peak memory is reported above the process's baseline
+(Python, torch and zerolap imported) and against the size of the output, which any consolidation
+must hold. Stage-3 files are smaller: the module states hold no parameters (the optimizer shards'
+fp32 values are their only copy).
 
-    python benchmarks/checkpoint_bench.py [--sizes 256 1024 2048] [--quick]
+    python benchmarks/checkpoint_bench.py [--sizes 256 1024 2048] [--stage 3] [--quick]
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ def _model(width: int):
     return torch.nn.Sequential(*layers)
 
 
-def _rank_main(rank: int, width: int, path: str, port: int, out) -> None:
+def _rank_main(rank: int, width: int, stage: int, path: str, port: int, out) -> None:
     import torch
 
     import zerolap
     import zerolap.comm as dist
+    from zerolap.zero.status import full_numel
 
     torch.set_num_threads(1)
     dist.init_distributed(
@@ -48,7 +51,7 @@ def _rank_main(rank: int, width: int, path: str, port: int, out) -> None:
     config = {
         "train_micro_batch_size_per_gpu": 4,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": {"stage": 2, "reduce_bucket_size": 2_000_000},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2_000_000},
     }
     engine, *_ = zerolap.initialize(model=_model(width), config=config)
     engine.backward(engine(torch.randn(4, width)).pow(2).mean())
@@ -63,7 +66,7 @@ def _rank_main(rank: int, width: int, path: str, port: int, out) -> None:
     fresh.load_checkpoint(path)
     loaded = time.perf_counter() - start
     if rank == 0:
-        out.put((saved, loaded, sum(p.numel() for p in engine.params)))
+        out.put((saved, loaded, sum(full_numel(p) for p in engine.params)))
 
 
 def _anon_bytes() -> int:
@@ -112,12 +115,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def measure(width: int) -> dict:
+def measure(width: int, stage: int = 2) -> dict:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         port = _free_port()
-        procs = [ctx.Process(target=_rank_main, args=(r, width, tmp, port, out)) for r in range(2)]
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, width, stage, tmp, port, out)) for r in range(2)
+        ]
         for p in procs:
             p.start()
         saved, loaded, numel = out.get(timeout=600)
@@ -151,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[512, 1024, 2048],
         help="layer widths (8 square layers each)",
     )
+    parser.add_argument("--stage", type=int, choices=[0, 1, 2, 3], default=2, help="ZeRO stage")
     parser.add_argument("--quick", action="store_true", help="one small size")
     args = parser.parse_args(argv)
     widths = [256] if args.quick else args.sizes
@@ -161,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for width in widths:
-        r = measure(width)
+        r = measure(width, args.stage)
         ratio = r["anon_mib"] / (r["output_mib"] + r["largest_mib"])
         print(
             f"| {r['numel'] / 1e6:.1f}M | {r['files_mib']:.0f} | {r['save_s']:.2f} | "

@@ -1,5 +1,8 @@
 """Sharded checkpoints: exact resume, resume at another world size or stage, consolidation,
-a save killed part-way, and every error a user can hit."""
+a save killed part-way, and every error a user can hit.
+
+Under stage 3 the model has units of both kinds: ``embed`` (tied with ``out``) and ``hidden``
+are sharded, ``norm`` (32 elements, under the persistence threshold) stays whole."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import zerolap
 import zerolap.comm as dist
 from tests.multiproc import run_on_ranks
 from zerolap.checkpoint import CheckpointError, get_fp32_state_dict
+from zerolap.checkpoint.files import MODEL_FILE
+from zerolap.zero import GatheredParameters
 
 GLOBAL_BATCH = 8
 
@@ -43,7 +48,15 @@ def _batch(step: int):
     return tokens, torch.roll(tokens, 1, dims=1)
 
 
-def _engine(stage: int, *, dropout: bool = True, precision: str = "fp32", width: int = 16):
+def _engine(
+    stage: int,
+    *,
+    dropout: bool = True,
+    precision: str = "fp32",
+    width: int = 16,
+    zero: dict | None = None,
+    model_parameters=None,
+):
     model = Net(width)
     if not dropout:
         model.drop.p = 0.0
@@ -51,11 +64,19 @@ def _engine(stage: int, *, dropout: bool = True, precision: str = "fp32", width:
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
         "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.01}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 100},
+        # warmup_min_lr > 0: every step moves the weights, so a load that left them as a fresh
+        # model has them cannot pass for one that restored them.
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.01, "warmup_num_steps": 5}},
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 100,
+            "stage3_param_persistence_threshold": 50,
+            **(zero or {}),
+        },
         "bf16": {"enabled": precision == "bf16"},
     }
-    engine, *_ = zerolap.initialize(model=model, config=config)
+    chosen = model_parameters(model) if model_parameters else None
+    engine, *_ = zerolap.initialize(model=model, config=config, model_parameters=chosen)
     return engine
 
 
@@ -74,7 +95,10 @@ def _train(engine, first_step: int, steps: int) -> None:
 
 
 def _params(engine) -> list[torch.Tensor]:
-    return [p.detach().float().clone() for p in engine.module.parameters()]
+    """Whole parameters (gathered under stage 3), in fp32."""
+    params = list(engine.module.parameters())
+    with GatheredParameters(params):
+        return [p.detach().float().clone() for p in params]
 
 
 def train_through(stage: int, precision: str, steps: int) -> list[torch.Tensor]:
@@ -105,7 +129,8 @@ def load_and_train(
 
 
 @pytest.mark.parametrize(
-    ("stage", "precision"), [(0, "fp32"), (1, "fp32"), (2, "fp32"), (2, "bf16")]
+    ("stage", "precision"),
+    [(0, "fp32"), (1, "fp32"), (2, "fp32"), (2, "bf16"), (3, "fp32"), (3, "bf16")],
 )
 def test_resume_is_exact(ranks, tmp_path, stage, precision):
     straight = ranks(2).run(train_through, stage, precision, 4)[0]
@@ -135,7 +160,7 @@ def _reference(steps: int) -> list[torch.Tensor]:
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
     from zerolap.runtime.lr_schedules import WarmupLR
 
-    sched = WarmupLR(opt, warmup_num_steps=5)
+    sched = WarmupLR(opt, warmup_min_lr=0.01, warmup_num_steps=5)
     for step in range(steps):
         opt.zero_grad(set_to_none=False)
         model(*_batch(step)).backward()
@@ -145,7 +170,17 @@ def _reference(steps: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("saved", "loaded"), [((2, 2), (4, 1)), ((4, 2), (2, 2)), ((4, 1), (1, 0)), ((2, 0), (2, 2))]
+    ("saved", "loaded"),
+    [
+        ((2, 2), (4, 1)),
+        ((4, 2), (2, 2)),
+        ((4, 1), (1, 0)),
+        ((2, 0), (2, 2)),
+        ((2, 2), (2, 3)),
+        ((2, 3), (4, 3)),
+        ((4, 3), (2, 2)),
+        ((4, 3), (1, 1)),
+    ],
 )
 def test_resume_at_another_world_size_and_stage(ranks, tmp_path, saved, loaded):
     (n_saved, stage_saved), (n_loaded, stage_loaded) = saved, loaded
@@ -157,18 +192,18 @@ def test_resume_at_another_world_size_and_stage(ranks, tmp_path, saved, loaded):
         assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
-def check_consolidation(path: str, precision: str) -> list:
+def check_consolidation(path: str, precision: str, stage: int = 2) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    engine = _engine(2, precision=precision)
+    engine = _engine(stage, precision=precision)
     _train(engine, 0, 2)
     engine.save_checkpoint(path)
-    master = engine.optimizer.master
-    return [_params(engine), None if master is None else master.clone()]
+    return _params(engine)
 
 
+@pytest.mark.parametrize("stage", [2, 3])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_consolidated_state_dict_loads_into_the_plain_model(ranks, tmp_path, precision):
-    live, _ = ranks(2).run(check_consolidation, str(tmp_path), precision)[0]
+def test_consolidated_state_dict_loads_into_the_plain_model(ranks, tmp_path, stage, precision):
+    live = ranks(2).run(check_consolidation, str(tmp_path), precision, stage)[0]
     state = get_fp32_state_dict(tmp_path)
     assert all(t.dtype == torch.float32 for t in state.values() if t.is_floating_point())
     plain = Net()
@@ -178,7 +213,110 @@ def test_consolidated_state_dict_loads_into_the_plain_model(ranks, tmp_path, pre
             assert torch.equal(got, want)
         else:  # the fp32 master, which the bf16 parameters are a rounding of
             assert torch.equal(got.bfloat16().float(), want)
+    if precision == "bf16":  # ... and not that rounding itself
+        assert not all(torch.equal(a, b) for a, b in zip(plain.parameters(), live, strict=True))
     assert plain.scale.item() == 1.5
+    if stage == 3:  # no rank held whole parameters: the optimizer shards are their copy
+        module = torch.load(tmp_path / "global_step2" / MODEL_FILE)["module"]
+        assert module["hidden.weight"].numel() == module["norm.weight"].numel() == 0
+        assert module["scale"].item() == 1.5
+
+
+def save_gathered_16bit(path: str) -> list[torch.Tensor]:
+    engine = _engine(3, precision="bf16", zero={"stage3_gather_16bit_weights_on_model_save": True})
+    _train(engine, 0, 1)
+    engine.save_checkpoint(path)
+    return _params(engine)
+
+
+def test_stage3_saves_gathered_16bit_weights_when_asked(ranks, tmp_path):
+    live = ranks(2).run(save_gathered_16bit, str(tmp_path))[0]
+    module = torch.load(tmp_path / "global_step1" / MODEL_FILE)["module"]
+    plain = Net().bfloat16()
+    plain.load_state_dict(module, strict=True)
+    for got, want in zip(plain.parameters(), live, strict=True):
+        assert got.dtype == torch.bfloat16 and torch.equal(got.float(), want)
+
+
+def _all_but_hidden_bias(model):
+    return [p for name, p in model.named_parameters() if name != "hidden.bias"]
+
+
+def save_partly_optimized(path: str) -> list[torch.Tensor]:
+    """Stage 3 with a parameter the optimizer does not hold: only its shards keep it."""
+    engine = _engine(3, dropout=False, model_parameters=_all_but_hidden_bias)
+    with GatheredParameters([engine.module.hidden.bias], modifier_rank=0):
+        engine.module.hidden.bias.data.fill_(0.25)  # not the value a fresh model starts from
+    _train(engine, 0, 2)
+    engine.save_checkpoint(path)
+    return _params(engine)
+
+
+def load_partly_optimized(path: str) -> list[torch.Tensor]:
+    engine = _engine(3, dropout=False, model_parameters=_all_but_hidden_bias)
+    engine.load_checkpoint(path)
+    return _params(engine)
+
+
+def test_stage3_keeps_parameters_outside_the_optimizer(ranks, tmp_path):
+    live = ranks(2).run(save_partly_optimized, str(tmp_path))[0]
+    plain = Net()
+    plain.load_state_dict(get_fp32_state_dict(tmp_path), strict=True)
+    assert torch.equal(plain.hidden.bias, torch.full((16,), 0.25))
+    assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), live, strict=True))
+    loaded = ranks(4).run(load_partly_optimized, str(tmp_path))[0]
+    assert all(torch.equal(a, b) for a, b in zip(loaded, live, strict=True))
+
+
+def check_partial_loads(path: str, precision: str) -> list[torch.Tensor]:
+    """Stage 3: load_module_only and load_optimizer_states=False take the weights (and, in
+    bf16, the fp32 master) and leave the optimizer fresh; then one more step trains."""
+    torch.manual_seed(0)
+    engine = _engine(3, precision=precision, dropout=False)
+    _train(engine, 0, 2)
+    engine.save_checkpoint(path)
+    live, master, lr = _params(engine), engine.optimizer.master, engine.get_lr()
+
+    def check_weights(fresh):
+        assert all(torch.equal(a, b) for a, b in zip(_params(fresh), live, strict=True))
+        assert not fresh.optimizer.state  # no Adam moments were loaded
+        if master is not None:  # the saved fp32 master, not a rounding of the bf16 weights
+            assert torch.equal(fresh.optimizer.master, master)
+            assert not torch.equal(master, fresh.param_store.shard.float())
+
+    partial = _engine(3, precision=precision, dropout=False)
+    partial.load_checkpoint(path, load_optimizer_states=False)
+    check_weights(partial)
+    assert partial.global_steps == 2 and partial.get_lr() == lr  # scheduler and counters
+    module_only = _engine(3, precision=precision, dropout=False)
+    module_only.load_checkpoint(path, load_module_only=True)
+    check_weights(module_only)
+    assert module_only.global_steps == 0 and module_only.get_lr() != lr
+    if master is not None:  # load_from_fp32_weights: false starts the master from bf16
+        rounded = _engine(3, precision=precision, zero={"load_from_fp32_weights": False})
+        rounded.load_checkpoint(path)
+        assert torch.equal(rounded.optimizer.master, rounded.param_store.shard.float())
+    _train(module_only, 2, 1)
+    return _params(module_only)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_stage3_load_module_only_and_without_optimizer_states(ranks, tmp_path, precision):
+    trained = ranks(2).run(check_partial_loads, str(tmp_path), precision)[0]
+    if precision == "bf16":
+        return
+    # A fresh optimizer and scheduler from the saved weights, one step on batch 2.
+    plain = Net()
+    plain.drop.p = 0.0
+    plain.load_state_dict(get_fp32_state_dict(tmp_path), strict=True)
+    opt = torch.optim.AdamW(plain.parameters(), lr=0.05, weight_decay=0.01)
+    from zerolap.runtime.lr_schedules import WarmupLR
+
+    WarmupLR(opt, warmup_min_lr=0.01, warmup_num_steps=5)
+    plain(*_batch(2)).backward()
+    opt.step()
+    for got, want in zip(trained, plain.parameters(), strict=True):
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
 
 
 def save_then_crash(path: str) -> None:
@@ -231,8 +369,10 @@ def check_errors(path: str) -> None:
         engine.load_checkpoint(root, tag="nope")
     with pytest.raises(CheckpointError, match="not a checkpoint directory: no 'latest' file"):
         engine.load_checkpoint(root / "t")
-    other = _engine(2, width=8)
-    with pytest.raises(CheckpointError, match=r"another model.*hidden.weight: saved \(16, 16\)"):
+    other = _engine(3, width=8)  # stage 3: its parameters' .data are empty
+    with pytest.raises(
+        CheckpointError, match=r"another model.*hidden.weight: saved \(16, 16\), model \(8, 8\)"
+    ):
         other.load_checkpoint(root)
     dist.barrier()
     if dist.get_rank() == 0:
@@ -258,7 +398,7 @@ def test_cli_consolidate(ranks, tmp_path):
     import subprocess
     import sys
 
-    live, _ = ranks(2).run(check_consolidation, str(tmp_path / "ckpt"), "fp32")[0]
+    live = ranks(2).run(check_consolidation, str(tmp_path / "ckpt"), "fp32")[0]
     out = tmp_path / "model.pt"
     cli = [sys.executable, "-m", "zerolap.cli", "consolidate"]
     result = subprocess.run(

@@ -1,7 +1,8 @@
 """One fp32 state dict from a sharded checkpoint, built one parameter at a time.
 
 Trainable parameters come from the optimizer shards' fp32 values (exact even when the model
-trained in fp16/bf16); buffers and frozen parameters from the module states. Files are
+trained in fp16/bf16, and the only copy under stage 3, whose module states hold empty
+placeholders for them); buffers and frozen parameters from the module states. Files are
 memory-mapped and each parameter is assembled straight into the output, so peak memory stays
 near the output's size plus the largest parameter, not several times the model.
 """
@@ -13,27 +14,9 @@ from pathlib import Path
 import torch
 
 from zerolap.checkpoint.files import MODEL_FILE, CheckpointError, optim_file, read, read_latest
-from zerolap.checkpoint.shards import SegmentIndex
+from zerolap.checkpoint.shards import SavedParams, SegmentIndex
 
 __all__ = ["get_fp32_state_dict"]
-
-
-def _assemble(name: str, shape, index: SegmentIndex) -> torch.Tensor:
-    numel = 1
-    for size in shape:
-        numel *= size
-    if index.covered(name) < numel:
-        raise CheckpointError(
-            f"the optimizer shards hold {index.covered(name)} of the {numel} "
-            f"elements of {name}: a shard is missing or from another run"
-        )
-    full = torch.empty(numel, dtype=torch.float32)
-
-    def put(saved, src, dst, count):
-        full[dst : dst + count] = saved["values"][src : src + count]
-
-    index.fill(name, 0, numel, put)
-    return full.view(shape)
 
 
 def get_fp32_state_dict(checkpoint_dir, tag: str | None = None) -> dict[str, torch.Tensor]:
@@ -48,7 +31,7 @@ def get_fp32_state_dict(checkpoint_dir, tag: str | None = None) -> dict[str, tor
         read(folder / optim_file(r), what=f"optimizer shard of rank {r}")
         for r in range(saved["world_size"])
     ]
-    index = SegmentIndex(shards)
+    params = SavedParams(saved, SegmentIndex(shards))
     built: dict[str, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     for key, tensor in saved["module"].items():
@@ -57,6 +40,6 @@ def get_fp32_state_dict(checkpoint_dir, tag: str | None = None) -> dict[str, tor
             out[key] = tensor.float().clone() if tensor.is_floating_point() else tensor.clone()
             continue
         if name not in built:
-            built[name] = _assemble(name, saved["param_shapes"][name], index)
+            built[name] = params.whole_fp32(name)
         out[key] = built[name]
     return out

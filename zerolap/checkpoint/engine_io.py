@@ -1,10 +1,17 @@
 """``engine.save_checkpoint`` and ``engine.load_checkpoint``.
 
-Every rank saves its optimizer shard and RNG; rank 0 saves the module (every rank holds full
-parameters in stages 0-2), counters, scheduler, loss scaler and the client's state. Loading
-reads the module, then fills each of this rank's optimizer runs from whichever saved shards
-hold those parameter elements (``checkpoint.shards``): a checkpoint saved at one world size and
-stage loads at any other, with no conversion step.
+Every rank saves its optimizer shard (fp32 values and state of the elements it owns) and RNG;
+rank 0 saves the module states, counters, scheduler, loss scaler and the client's state. In
+stages 0-2 the module states hold whole parameters, as every rank has them. Under stage 3 no
+rank does: their entries are empty placeholders (or, with
+``stage3_gather_16bit_weights_on_model_save``, the gathered 16-bit weights) and the optimizer
+shards are the parameters' copy (``checkpoint.shards``).
+
+Loading takes buffers and frozen parameters from the module states and every trainable
+parameter element from whichever saved shards hold it (``SavedParams``): whole parameters in
+stages 0-2, this rank's shard of each unit under stage 3. Then each optimizer run's state is
+gathered the same way. A checkpoint saved at one world size and stage loads at any other, with
+no conversion step.
 """
 
 from __future__ import annotations
@@ -24,13 +31,17 @@ from zerolap.checkpoint.files import (
     read_latest,
     write,
 )
+from zerolap.checkpoint.module_state import full_state_dict
 from zerolap.checkpoint.shards import (
+    SavedParams,
     SegmentIndex,
     collect_runs,
+    collect_unoptimized,
     restore_rng,
     rng_state,
     segments_of,
 )
+from zerolap.zero.status import full_shape
 
 __all__ = ["load_checkpoint", "param_names", "save_checkpoint"]
 
@@ -53,6 +64,33 @@ def _aliases(engine) -> dict[str, str]:
     }
 
 
+def _shard_runs(engine, names: list[str], rank: int) -> list[dict]:
+    """What this rank saves of the optimizer: its runs (stage 0: rank 0 alone, one copy
+    suffices), and under stage 3 also its elements of parameters outside every run."""
+    optimizer, layout = engine.optimizer, engine.layout
+    if not engine.plan.shard_optimizer and rank != 0:
+        return []
+    runs = collect_runs(optimizer, layout, names)
+    if engine.plan.shard_params:
+        owned = layout.owned_ranges(dist.get_rank(engine.group))
+        shard = engine.param_store.shard
+        runs += collect_unoptimized(layout, names, optimizer.runs, owned, shard)
+    return runs
+
+
+def _module_states(engine, aliases: dict[str, str]) -> dict:
+    """The module's state dict for rank 0 to save (a collective under stage 3 with
+    ``stage3_gather_16bit_weights_on_model_save``, which saves the whole 16-bit weights)."""
+    if not engine.plan.shard_params:
+        return engine.module.state_dict()
+    if engine.zero_gather_16bit_weights_on_model_save():
+        return full_state_dict(engine.module)
+    return {
+        key: torch.empty(0, dtype=t.dtype) if key in aliases else t.detach()
+        for key, t in engine.module.state_dict(keep_vars=True).items()
+    }
+
+
 def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str:
     save_dir = Path(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
@@ -62,12 +100,13 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
         staged.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     names = param_names(engine)
-    owns_optimizer = engine.plan.shard_optimizer or rank == 0  # stage 0: one copy suffices
+    aliases = _aliases(engine)
+    module_states = _module_states(engine, aliases)
     write(
         {
             "rank": rank,
             "world_size": world,
-            "runs": collect_runs(engine.optimizer, engine.layout, names) if owns_optimizer else [],
+            "runs": _shard_runs(engine, names, rank),
             "param_groups": [
                 {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
             ],
@@ -78,12 +117,10 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
     if rank == 0:
         write(
             {
-                "module": engine.module.state_dict(),
+                "module": module_states,
                 "param_names": names,
-                "param_shapes": {
-                    n: tuple(p.shape) for n, p in zip(names, engine.params, strict=True)
-                },
-                "aliases": _aliases(engine),
+                "param_shapes": _shapes(engine, names),
+                "aliases": aliases,
                 "world_size": world,
                 "zero_stage": engine.zero_optimization_stage(),
                 "global_steps": engine.global_steps,
@@ -104,9 +141,14 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
     return str(save_dir / tag)
 
 
+def _shapes(engine, names: list[str]) -> dict[str, tuple[int, ...]]:
+    """Each trainable parameter's whole shape (stage 3's ``.data`` is empty)."""
+    return {n: full_shape(p) for n, p in zip(names, engine.params, strict=True)}
+
+
 def _check_same_model(engine, saved: dict, path: Path) -> None:
     names = param_names(engine)
-    shapes = {n: tuple(p.shape) for n, p in zip(names, engine.params, strict=True)}
+    shapes = _shapes(engine, names)
     old = saved["param_shapes"]
     missing = sorted(set(shapes) - set(old))
     unexpected = sorted(set(old) - set(shapes))
@@ -127,39 +169,83 @@ def _per_element(value, numel: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel
 
 
-def _load_run(run, view, segments, index: SegmentIndex) -> dict:
-    """Fill ``view`` (the run's parameters or master weights) and return its optimizer state,
-    both gathered from the saved pieces of the same parameter elements."""
+def _load_module_states(engine, saved: dict, path: Path) -> None:
+    """Buffers and frozen parameters; trainable parameters come from ``SavedParams``."""
+    entries = {k: v for k, v in saved["module"].items() if k not in saved["aliases"]}
+    try:
+        with torch.no_grad():
+            missing, unexpected = engine.module.load_state_dict(entries, strict=False)
+    except RuntimeError as err:  # a buffer of another shape
+        raise CheckpointError(f"{path} does not fit the model's module states: {err}") from None
+    missing = sorted(set(missing) - set(_aliases(engine)))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path} is a checkpoint of another model: module states missing from it "
+            f"{missing}, not in the model {sorted(unexpected)}"
+        )
+
+
+def _load_params(engine, params: SavedParams, names: list[str]) -> None:
+    """Stages 0-2: every parameter whole. Stage 3: this rank's chunk of every unit, into the
+    parameter store's shard (gathered copies are refreshed by ``publish`` afterwards)."""
+    with torch.no_grad():
+        if not engine.plan.shard_params:
+            for name, param in zip(names, engine.params, strict=True):
+                params.fill(name, 0, param.numel(), param.data.view(-1))
+            return
+        layout, shard = engine.layout, engine.param_store.shard
+        rank = dist.get_rank(engine.group)
+        for bucket in layout.buckets:
+            start, end = bucket.chunk(rank)
+            base = layout.shard_offset(bucket.index)
+            for seg in segments_of(layout, names, start, end):
+                at = base + seg.run_offset
+                params.fill(seg.name, seg.param_start, seg.param_end, shard[at : at + seg.numel])
+
+
+def _load_master(engine, params: SavedParams, names: list[str]) -> None:
+    """16-bit training: the fp32 master weights from the saved fp32 values, or with
+    ``load_from_fp32_weights: false`` from the loaded 16-bit parameters (losing precision)."""
+    optimizer = engine.optimizer
+    if optimizer.master is None:
+        return
+    if not engine.config.zero_optimization.load_from_fp32_weights:
+        optimizer.reload_master()
+        return
+    with torch.no_grad():
+        for run, view in zip(optimizer.runs, optimizer.views, strict=True):
+            for seg in segments_of(engine.layout, names, run.start, run.end):
+                at = seg.run_offset
+                params.fill(seg.name, seg.param_start, seg.param_end, view[at : at + seg.numel])
+
+
+def _run_state(run, view, segments, index: SegmentIndex) -> dict:
+    """The optimizer state of one run, gathered from the saved pieces of the same parameter
+    elements: per-element tensors piece by piece, per-run entries (Adam's step) from one."""
     numel = run.end - run.start
-    values = torch.empty(numel, dtype=torch.float32)
     state: dict = {}
     source = None
     for segment in segments:
 
         def put(saved, src, dst, count, base=segment.run_offset):
-            values[base + dst : base + dst + count] = saved["values"][src : src + count]
             for key, tensor in saved["state"].items():
                 if _per_element(tensor, saved["values"].numel()):
                     target = state.setdefault(key, torch.zeros(numel, dtype=tensor.dtype))
                     target[base + dst : base + dst + count] = tensor[src : src + count]
 
         source = index.fill(segment.name, segment.param_start, segment.param_end, put) or source
-    if source is not None:  # per-run entries such as Adam's step count
+    if source is not None:
         for key, value in source["state"].items():
             if key not in state:
                 state[key] = value.clone() if isinstance(value, torch.Tensor) else value
-    with torch.no_grad():
-        view.copy_(values.to(view.dtype))
     return {k: v.to(view.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
-def _load_optimizer(engine, shards: list[dict]) -> None:
-    index = SegmentIndex(shards)
-    names = param_names(engine)
+def _load_optimizer_state(engine, index: SegmentIndex, shards: list[dict], names) -> None:
     optimizer = engine.optimizer
     for run, view in zip(optimizer.runs, optimizer.views, strict=True):
         segments = segments_of(engine.layout, names, run.start, run.end)
-        state = _load_run(run, view, segments, index)
+        state = _run_state(run, view, segments, index)
         if state:
             optimizer.inner.state[view] = state
     for group, saved in zip(optimizer.param_groups, shards[0]["param_groups"], strict=False):
@@ -181,18 +267,22 @@ def load_checkpoint(
         raise CheckpointError(f"rank {dist.get_rank()}: tag {tag!r} not found in {load_dir}")
     saved = read(folder / MODEL_FILE, what="model states")
     _check_same_model(engine, saved, folder)
-    with torch.no_grad():
-        engine.module.load_state_dict(saved["module"], strict=True)
-    if load_module_only or not load_optimizer_states:
-        engine.optimizer.reload_master()  # master weights follow the loaded parameters
-    if load_module_only:
-        return str(folder), saved["client_state"]
     shards = [
         read(folder / optim_file(r), what=f"optimizer shard of rank {r}")
         for r in range(saved["world_size"])
     ]
-    if load_optimizer_states:
-        _load_optimizer(engine, shards)
+    index = SegmentIndex(shards)
+    params = SavedParams(saved, index)
+    names = param_names(engine)
+    _load_module_states(engine, saved, folder)
+    _load_params(engine, params, names)
+    _load_master(engine, params, names)
+    if load_optimizer_states and not load_module_only:
+        _load_optimizer_state(engine, index, shards, names)
+    if engine.plan.shard_params:
+        engine.param_store.publish()  # persistent units gathered again from the new shards
+    if load_module_only:
+        return str(folder), saved["client_state"]
     if load_lr_scheduler_states and engine.lr_scheduler and saved["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     engine.loss_scaler.load_state_dict(saved["loss_scaler"])

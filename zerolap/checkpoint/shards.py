@@ -5,17 +5,34 @@ is saved with its *segments*: which parameter, which element range of it, and wh
 sits in the run. Loading at another world size or stage walks the new runs, and for every
 segment copies the overlapping element ranges of the saved segments of the same parameter.
 Nothing about the old world size or bucket layout is needed beyond those names and ranges.
+
+The runs' fp32 values are also the checkpoint's copy of the trainable parameters (``SavedParams``):
+for stages 1-3 every element is owned by exactly one rank, for stage 0 rank 0 saves them all, so
+their union is every parameter, exact even when the model trained in 16 bits. Under stage 3,
+where no rank holds whole parameters, owned elements that no optimizer group holds (a client
+that passed ``model_parameters`` a subset) are saved as runs of group -1 with no state.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SegmentIndex", "collect_runs", "restore_rng", "rng_state", "segments_of"]
+from zerolap.checkpoint.files import CheckpointError
+
+__all__ = [
+    "SavedParams",
+    "SegmentIndex",
+    "collect_runs",
+    "collect_unoptimized",
+    "restore_rng",
+    "rng_state",
+    "segments_of",
+]
 
 
 @dataclass(frozen=True)
@@ -24,6 +41,10 @@ class Segment:
     param_start: int  # element range inside the parameter
     param_end: int
     run_offset: int  # where param_start sits inside the run
+
+    @property
+    def numel(self) -> int:
+        return self.param_end - self.param_start
 
 
 def segments_of(layout, names: list[str], start: int, end: int) -> list[Segment]:
@@ -56,6 +77,29 @@ def collect_runs(optimizer, layout, names: list[str]) -> list[dict]:
     return runs
 
 
+def collect_unoptimized(
+    layout, names: list[str], runs, ranges: list[tuple[int, int]], shard: torch.Tensor
+) -> list[dict]:
+    """Stage 3: this rank's elements (flat ``ranges``, stored in ``shard``) of parameters that
+    no optimizer run holds, as runs of group -1 with no state. A piece of a parameter lies
+    wholly inside a run or wholly outside every run (``FlatLayout.runs`` never splits one)."""
+    out = []
+    for start, end in ranges:
+        for slot, lo, hi in layout.pieces(start, end):
+            if any(run.start <= lo and hi <= run.end for run in runs):
+                continue
+            pos = layout.shard_position(layout.slots[slot].bucket, lo)
+            out.append(
+                {
+                    "group": -1,
+                    "segments": segments_of(layout, names, lo, hi),
+                    "values": shard[pos : pos + hi - lo].detach().float().clone(),
+                    "state": {},
+                }
+            )
+    return out
+
+
 class SegmentIndex:
     """Every saved run's segments, by parameter name."""
 
@@ -79,6 +123,47 @@ class SegmentIndex:
 
     def covered(self, name: str) -> int:
         return sum(s.param_end - s.param_start for s, _ in self.by_name.get(name, []))
+
+
+class SavedParams:
+    """Elements of each saved trainable parameter, in fp32: from the optimizer shards when they
+    hold the whole parameter; otherwise (stages 0-2, a parameter outside every optimizer group)
+    from the whole tensor in the module states."""
+
+    def __init__(self, saved: dict, index: SegmentIndex) -> None:
+        self.index = index
+        self.shapes = {n: tuple(s) for n, s in saved["param_shapes"].items()}
+        self.whole: dict[str, torch.Tensor] = {}
+        for key, name in saved["aliases"].items():
+            tensor = saved["module"][key]
+            if tuple(tensor.shape) == self.shapes[name]:  # stage 3 saves empty placeholders
+                self.whole.setdefault(name, tensor)
+
+    def numel(self, name: str) -> int:
+        return math.prod(self.shapes[name])
+
+    def fill(self, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
+        """Copy elements ``[lo, hi)`` of ``name`` into the 1-D ``out``, cast to its dtype."""
+        numel = self.numel(name)
+        if self.index.covered(name) >= numel:
+
+            def put(run, src, dst, count):
+                out[dst : dst + count] = run["values"][src : src + count]
+
+            self.index.fill(name, lo, hi, put)
+        elif name in self.whole:
+            out.copy_(self.whole[name].reshape(-1)[lo:hi])
+        else:
+            raise CheckpointError(
+                f"the optimizer shards hold {self.index.covered(name)} of the {numel} "
+                f"elements of {name} and the module states do not hold it whole: a shard is "
+                "missing or from another run"
+            )
+
+    def whole_fp32(self, name: str) -> torch.Tensor:
+        full = torch.empty(self.numel(name), dtype=torch.float32)
+        self.fill(name, 0, full.numel(), full)
+        return full.view(self.shapes[name])
 
 
 def rng_state() -> dict:
