@@ -42,6 +42,13 @@ class FetchTrace:
             self._positions.setdefault(unit, []).append(pos)
         self._prefix = [0, *itertools.accumulate(self.numels[u] for u in order)]
 
+    def end_backward(self) -> None:
+        """A training step ends with its backward. If it ran on trace but stopped short of the
+        record, the record's tail (forwards that once followed a backward, such as a generation
+        loop) is not part of training: drop it, or every later step would prefetch it."""
+        if self.on_trace and len(self.current) < len(self.recorded):
+            self._adopt(self.current)
+
     @property
     def position(self) -> int:
         """Index of the latest fetch in this step (-1 before the first)."""
