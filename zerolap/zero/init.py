@@ -43,6 +43,15 @@ class InitPartition:
     def _chunk_numel(self, numel: int) -> int:
         return -(-numel // self.world_size)
 
+    def _own_chunk(self, flat: torch.Tensor) -> torch.Tensor:
+        """This rank's chunk of ``flat``, zero-padded: the last ranks' chunks may run past it."""
+        chunk = self._chunk_numel(flat.numel())
+        lo = min(self.rank * chunk, flat.numel())
+        hi = min(lo + chunk, flat.numel())
+        out = torch.zeros(chunk, dtype=flat.dtype, device=flat.device)
+        out[: hi - lo] = flat[lo:hi]
+        return out
+
     def shard(self, param: torch.nn.Parameter) -> None:
         if is_sharded(param):
             return
@@ -51,11 +60,8 @@ class InitPartition:
             if self.world_size > 1:
                 full = full.contiguous()
                 dist.broadcast(full, src=self.src, group=self.group)
-            chunk = self._chunk_numel(full.numel())
-            padded = torch.zeros(chunk * self.world_size, dtype=full.dtype, device=full.device)
-            padded[: full.numel()] = full.reshape(-1)
             mark(param, ParamStatus.SHARDED, owner=self)
-            param.ds_tensor = padded[self.rank * chunk : (self.rank + 1) * chunk].clone()
+            param.ds_tensor = self._own_chunk(full.reshape(-1))
             param.data = torch.empty(0, dtype=full.dtype, device=full.device)
 
     def full_value(self, param: torch.nn.Parameter) -> torch.Tensor:
@@ -81,17 +87,12 @@ class InitPartition:
         return params
 
     def unhold(self, params: list[torch.nn.Parameter], modifier_rank: int | None) -> None:
-        chunk = lambda p: self._chunk_numel(p.ds_numel)  # noqa: E731
         with torch.no_grad():
             for param in params:
                 if modifier_rank is not None:
                     if self.world_size > 1:
                         dist.broadcast(param.data, src=modifier_rank, group=self.group)
-                    flat = param.data.reshape(-1)
-                    lo = self.rank * chunk(param)
-                    hi = min(lo + chunk(param), flat.numel())
-                    param.ds_tensor.zero_()
-                    param.ds_tensor[: max(hi - lo, 0)] = flat[lo:hi]
+                    param.ds_tensor = self._own_chunk(param.data.reshape(-1))
                 param.data = torch.empty(0, dtype=param.dtype, device=param.device)
                 param.ds_status = ParamStatus.SHARDED
 
