@@ -116,8 +116,9 @@ class ParamFetcher:
         self._due = list(self._slots)
 
     def release_all(self) -> None:
-        """``engine.empty_partition_cache()``."""
+        """``engine.empty_partition_cache()``: the pooled buffers are freed too."""
         self.store.release_all()
+        self.store.drop_buffers()
         self._prefetched.clear()
 
     # -- fetching -----------------------------------------------------------------------------

@@ -5,10 +5,19 @@ keeps chunk r of every bucket in ``shard``, the only parameter memory it holds f
 is gathered into its own full buffer and its parameters' ``.data`` become views of it; released,
 ``.data`` is an empty tensor and the buffer's storage shrinks to zero bytes.
 
-The storage is resized rather than replaced so that tensors autograd saved in forward (views
-such as ``weight.t()``) read the values gathered again for backward instead of keeping the old
-buffer alive: between the two passes the unit costs no memory. Persistent units stay gathered
-for good and are all-gathered again after each optimizer step (``publish``).
+The storage object stays and only its memory comes and goes, so that tensors autograd saved in
+forward (views such as ``weight.t()``) read the values gathered again for backward instead of
+keeping the old buffer alive: between the two passes the unit costs no memory. Persistent units
+stay gathered for good and are all-gathered again after each optimizer step (``publish``).
+
+On CPU that memory comes from a pool of released buffers (``_BufferPool``), moved in and out
+of the unit's storage by swapping data pointers: a buffer freshly allocated for every gather
+would be fresh pages from the kernel, each faulted in and zeroed (with glibc's mmap threshold
+low, as the benchmarks set it, ~80k page faults per rank per step on a 42M model, a tenth of the
+step). The pool holds at most, per buffer size, as many buffers as were ever gathered at once;
+``drop_buffers`` (``engine.empty_partition_cache()``) empties it. On accelerators, whose caching
+allocators already reuse memory, and without torch's ``UntypedStorage._swap_data_ptr_``, the
+storage is resized to and from zero bytes instead.
 """
 
 from __future__ import annotations
@@ -23,6 +32,43 @@ from zerolap.zero.layout import FlatLayout, OwnedRun
 from zerolap.zero.status import ParamStatus, mark
 
 __all__ = ["ShardedParams"]
+
+_CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+
+
+class _BufferPool:
+    """Memory of released units, by size in bytes, given to the next unit of that size."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pooled = _CAN_SWAP and torch.device(device).type == "cpu"
+        self.free: dict[int, list[torch.UntypedStorage]] = {}
+
+    def fill(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """Give ``storage`` (empty) ``nbytes`` of memory: a pooled buffer when one is free."""
+        if not self.pooled:
+            storage.resize_(nbytes)
+            return
+        free = self.free.get(nbytes)
+        buffer = free.pop() if free else torch.UntypedStorage(nbytes, device=self.device)
+        storage._swap_data_ptr_(buffer)  # buffer is left empty
+
+    def drain(self, storage: torch.UntypedStorage) -> None:
+        """Take ``storage``'s memory into the pool, leaving it empty."""
+        if not self.pooled:
+            storage.resize_(0)
+            return
+        nbytes = storage.nbytes()
+        if nbytes:
+            spare = torch.UntypedStorage(0, device=self.device)
+            spare._swap_data_ptr_(storage)
+            self.free.setdefault(nbytes, []).append(spare)
+
+    def clear(self) -> None:
+        self.free.clear()
+
+    def nbytes(self) -> int:
+        return sum(size * len(free) for size, free in self.free.items())
 
 
 class ShardedParams:
@@ -47,8 +93,11 @@ class ShardedParams:
         self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         self._shard_offsets = [layout.shard_offset(b.index) for b in layout.buckets]
+        self.numel = [b.numel for b in layout.buckets]  # elements of each unit, padding included
+        self._pool = _BufferPool(device)
         self.full = [self._unallocated(b.numel) for b in layout.buckets]
         self.status = [ParamStatus.SHARDED] * len(layout.buckets)
+        self._live_numel = 0  # elements of sharded units not SHARDED (see live_numel)
         self.handles: list = [None] * len(layout.buckets)
         self.holds = [0] * len(layout.buckets)  # users that need the unit whole right now
         self.unit_of = {id(p): layout.slots[i].bucket for i, p in enumerate(params)}
@@ -65,7 +114,7 @@ class ShardedParams:
 
     def _allocate(self, unit: int) -> torch.Tensor:
         full = self.full[unit]
-        full.untyped_storage().resize_(full.numel() * self.itemsize)
+        self._pool.fill(full.untyped_storage(), full.numel() * self.itemsize)
         return full
 
     def _adopt(self, unit: int, src_rank: int) -> None:
@@ -89,7 +138,6 @@ class ShardedParams:
         if not from_init and dist.get_world_size(self.group) > 1:
             dist.broadcast(full, src=src_rank, group=self.group)  # rank 0's initial weights
         self._chunk_of(unit).copy_(self._own_part(unit, full))
-        self.status[unit] = ParamStatus.AVAILABLE
         self._attach(unit)
         if not self.persistent[unit]:
             self.release(unit)
@@ -148,14 +196,21 @@ class ShardedParams:
         for slot in self.layout.buckets[unit].slots:
             param = self.params[slot]
             param.data = torch.empty(0, dtype=self.dtype, device=self.device)
-        self.full[unit].untyped_storage().resize_(0)
+        self._pool.drain(self.full[unit].untyped_storage())
         self._set_status(unit, ParamStatus.SHARDED)
 
     def release_all(self) -> None:
         for unit in range(len(self.full)):
             self.release(unit)
 
+    def drop_buffers(self) -> None:
+        """Free the pooled memory of released units (the next gathers allocate afresh)."""
+        self._pool.clear()
+
     def _set_status(self, unit: int, status: ParamStatus) -> None:
+        was_sharded = self.status[unit] == ParamStatus.SHARDED
+        if not self.persistent[unit] and was_sharded != (status == ParamStatus.SHARDED):
+            self._live_numel += self.numel[unit] if was_sharded else -self.numel[unit]
         self.status[unit] = status
         for slot in self.layout.buckets[unit].slots:
             self.params[slot].ds_status = status
@@ -206,16 +261,15 @@ class ShardedParams:
 
     # -- accounting ---------------------------------------------------------------------------
 
-    @property
-    def numel(self) -> list[int]:
-        return [b.numel for b in self.layout.buckets]
-
     def live_numel(self) -> int:
         """Elements of sharded units currently gathered or in flight."""
-        units = zip(self.layout.buckets, self.persistent, self.status, strict=True)
-        sharded = ParamStatus.SHARDED
-        return sum(b.numel for b, keep, status in units if not keep and status != sharded)
+        return self._live_numel
 
     def nbytes(self) -> int:
+        """Parameter memory: the shard and every unit's full buffer while it has one."""
         shard = self.shard.numel() * self.itemsize
         return shard + sum(f.untyped_storage().nbytes() for f in self.full)
+
+    def buffer_bytes(self) -> int:
+        """Pooled memory of released units, kept for the next gathers: not model state."""
+        return self._pool.nbytes()
