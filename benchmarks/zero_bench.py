@@ -1,8 +1,9 @@
-"""Training-step time, bytes on the wire and memory of zerolap's ZeRO stages against torch's DDP
-and ZeroRedundancyOptimizer, on a GPT decoder (``zerolap/demo/gpt.py``).
+"""Training-step time, bytes on the wire and memory of zerolap's ZeRO stages against torch's DDP,
+ZeroRedundancyOptimizer and FSDP2, on a GPT decoder (``zerolap/demo/gpt.py``).
 
 Run from the repo root: ``python benchmarks/zero_bench.py [--quick] [--models small 42m]
-[--world-sizes 2 4] [--steps 5] [--rounds 1]``.
+[--world-sizes 2 4] [--steps 5] [--rounds 1] [--systems all | stages012 | stage3 | KEY...]``.
+``--systems stage3`` runs DDP, FSDP2 and zerolap stage 3 with and without prefetch.
 
 Every system trains the same model, from the same seed, on the same synthetic batches (rank r of
 step s always sees the same tokens), with fp32 AdamW (lr 1e-4, weight decay 0.01, ``fused=True``,
@@ -21,8 +22,12 @@ AdamW and no communication at all: what a step would cost if communication were 
   (``--retries``) and the least disturbed one kept.
 * wire bytes: for zerolap, the ``wire_bytes`` of the comms-logger records of one extra step run
   with the logger on (mean over ranks); for the torch systems, the ring formula (DDP's
-  all-reduce: 2; ZeroRedundancyOptimizer adds a broadcast of every parameter from its owner: 3).
-  Both in units of Psi(N-1)/N * 4 bytes.
+  all-reduce: 2; ZeroRedundancyOptimizer adds a broadcast of every parameter from its owner: 3;
+  FSDP2 all-gathers in forward and in backward and reduce-scatters: 3, though gloo's
+  reduce-scatter really moves an all-reduce's volume). Both in units of Psi(N-1)/N * 4 bytes.
+* stage 3's gathers (``engine.fetch_stats()``): per measured step and rank, the units fetched,
+  how many a prefetch had launched, how many were gathered on demand, and the time forward and
+  backward blocked waiting for them.
 * model state: tensor bytes of parameters, gradients and optimizer state held after the step
   (zerolap: ``engine.memory_breakdown()``), max over ranks.
 * peak RSS: the kernel's high-water mark of each rank's resident set (``ru_maxrss``), max over
@@ -104,21 +109,23 @@ SYSTEM_SETS: dict[str, tuple[str, ...]] = {
     "stage3": ("ddp", "fsdp2", "stage3", "stage3_no_prefetch"),
 }
 # zero_optimization keys of the stage-3 systems, chosen to do what FSDP2 does with
-# reshard_after_forward=True, one unit of memory ahead:
+# reshard_after_forward=True, about one FSDP2 group ahead:
 # * param_persistence_threshold: DeepSpeed's default (1e5). It keeps the LayerNorms whole (1024
 #   elements each, 0.06% of the 42M model); every Linear and both embeddings are sharded.
 #   FSDP2 shards everything, but its root group (embeddings, final norm) stays gathered from
 #   forward to backward, so the two keep about as much whole.
 # * max_reuse_distance 0: release every unit after its forward and gather it again for its
-#   backward, as reshard_after_forward=True does (DeepSpeed's default of 1e9 would keep this
-#   whole model gathered from forward to backward and skip the backward all-gather).
-# * prefetch_bucket_size: a transformer block of the 42M model (3.15M elements; a bigger share
-#   of the small one), about what FSDP2 gathers ahead (the next block). DeepSpeed's default of
-#   5e7 would gather the whole 42M model ahead at the start of forward and of backward.
+#   backward, as reshard_after_forward=True does (the default of 1e9 would keep a model this
+#   small gathered from forward to backward and skip the backward all-gather).
+# * prefetch_bucket_size 5e6: the largest FSDP2 group of the 42M model is its root (4.3M
+#   elements; a transformer block is 3.2M). zerolap prefetches a unit only if it fits in the
+#   budget, and the tied embedding is one 4.2M unit. DeepSpeed's default of 5e7 would gather the
+#   whole 42M model ahead at the start of forward and of backward. (On the 5M small model 5e6
+#   is everything.)
 STAGE3 = {
     "stage3_param_persistence_threshold": 100_000,
     "stage3_max_reuse_distance": 0,
-    "stage3_prefetch_bucket_size": 3_200_000,
+    "stage3_prefetch_bucket_size": 5_000_000,
 }
 # Theoretical bytes sent per rank per step for the torch systems, in units of Psi(N-1)/N * 4.
 # FSDP2: all-gather in forward, again in backward, reduce-scatter of the gradients (on gloo its
@@ -584,14 +591,16 @@ def format_table(spec: RunSpec, numel: int, results: list[SystemResult], rounds:
         f"micro-batch {spec.micro_batch}, median of {spec.steps} steps{pooled} after "
         f"{spec.warmup} warm-up",
         "",
-        "| system | step s | vs DDP | other load | wire / (Psi(N-1)/N*4) | model state MiB | "
-        "peak RSS MiB | bwd comm ms | exposed ms | eta | final loss | max dloss vs DDP | run s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| system | step s | vs DDP | other load | wire / (Psi(N-1)/N*4) | sent MB/rank | "
+        "model state MiB | peak RSS MiB | bwd comm ms | exposed ms | eta | final loss | "
+        "max dloss vs DDP | run s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    unit_mb = numel * 4 * (spec.world_size - 1) / spec.world_size / 1e6
     for r in results:
         if r.error is not None:
             last = r.error.strip().splitlines()[-1]
-            lines.append(f"| {r.system.name} | FAILED: {last} ||||||||||| {r.seconds:.0f} |")
+            lines.append(f"| {r.system.name} | FAILED: {last} |||||||||||| {r.seconds:.0f} |")
             continue
         vs_ddp = _ratio(r.step_s, ddp.step_s) if ddp else float("nan")
         wire = f"{r.wire_units:.2f}" + ("" if r.wire_measured else " (theory)")
@@ -600,7 +609,8 @@ def format_table(spec: RunSpec, numel: int, results: list[SystemResult], rounds:
             dloss = f"{max(abs(a - b) for a, b in zip(r.losses, ddp.losses, strict=True)):.1e}"
         lines.append(
             f"| {r.system.name} | {r.step_s:.3f} | {vs_ddp:.3f} | {r.other_load:.2f} | {wire} | "
-            f"{r.state_mib:.0f} | {r.peak_rss_mib:.0f} | {_ms(r.comm_ms)} | {_ms(r.exposed_ms)} | "
+            f"{r.wire_units * unit_mb:.0f} | {r.state_mib:.0f} | {r.peak_rss_mib:.0f} | "
+            f"{_ms(r.comm_ms)} | {_ms(r.exposed_ms)} | "
             f"{'-' if math.isnan(r.eta) else f'{r.eta:.2f}'} | {r.losses[-1]:.5f} | {dloss} | "
             f"{r.seconds:.0f} |"
         )
