@@ -19,6 +19,7 @@ record itself is checked to be identical on all ranks once, after the first step
 
 from __future__ import annotations
 
+import math
 import time
 import warnings
 import zlib
@@ -114,6 +115,7 @@ class ParamFetcher:
         self.store.release_all()
         self._prefetched.clear()
         self._due = list(self._slots)
+        self.trace.end_backward()
 
     def release_all(self) -> None:
         """``engine.empty_partition_cache()``: the pooled buffers are freed too."""
@@ -134,6 +136,7 @@ class ParamFetcher:
                 del self._prefetched[unit]
             elif store.status[unit] == ParamStatus.SHARDED:
                 self.stats.on_demand += 1
+                self._make_room(store.numel[unit])
                 store.launch(unit)
             self._prefetch()
             start = time.perf_counter()
@@ -162,6 +165,27 @@ class ParamFetcher:
             self._prefetched[unit] = None
             ahead += numel
             live += numel
+
+    def _make_room(self, numel: int) -> None:
+        """Release units kept for reuse (gathered, neither held nor prefetched) until ``numel``
+        more elements fit under ``max_live_numel``; those needed last, or never, go first."""
+        store = self.store
+        if store.live_numel() + numel <= self.max_live_numel:
+            return
+        kept = [
+            u
+            for u, status in enumerate(store.status)
+            if status == ParamStatus.AVAILABLE
+            and not store.persistent[u]
+            and not store.holds[u]
+            and u not in self._prefetched
+        ]
+        distance = self.trace.reuse_distance
+        kept.sort(key=lambda u: math.inf if distance(u) is None else distance(u), reverse=True)
+        for unit in kept:
+            if store.live_numel() + numel <= self.max_live_numel:
+                return
+            store.release(unit)
 
     def _warn_off_trace(self, unit: int) -> None:
         self.stats.trace_misses += 1
