@@ -2,8 +2,9 @@
 ZeroRedundancyOptimizer and FSDP2, on a GPT decoder (``zerolap/demo/gpt.py``).
 
 Run from the repo root: ``python benchmarks/zero_bench.py [--quick] [--models small 42m]
-[--world-sizes 2 4] [--steps 5] [--rounds 1] [--systems all | stages012 | stage3 | KEY...]``.
-``--systems stage3`` runs DDP, FSDP2 and zerolap stage 3 with and without prefetch.
+[--world-sizes 2 4] [--steps 5] [--rounds 1] [--systems NAME...]``, a NAME being a system's key
+or a set: ``all`` (the default), ``stages012`` or ``stage3_vs_fsdp2`` (DDP, FSDP2, and zerolap
+stage 3 with and without prefetch).
 
 Every system trains the same model, from the same seed, on the same synthetic batches (rank r of
 step s always sees the same tokens), with fp32 AdamW (lr 1e-4, weight decay 0.01, ``fused=True``,
@@ -51,7 +52,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-__all__ = ["SYSTEMS", "RunSpec", "System", "SystemResult", "main"]
+__all__ = ["SYSTEMS", "RunSpec", "System", "SystemResult", "main", "run"]
 
 MIB = 1 << 20
 LR = 1e-4
@@ -106,7 +107,7 @@ SYSTEMS: tuple[System, ...] = (
 SYSTEM_SETS: dict[str, tuple[str, ...]] = {
     "all": tuple(s.key for s in SYSTEMS),
     "stages012": ("local", "ddp", "torch_zero", "stage0", "stage1", "stage2", "stage2_allreduce"),
-    "stage3": ("ddp", "fsdp2", "stage3", "stage3_no_prefetch"),
+    "stage3_vs_fsdp2": ("ddp", "fsdp2", "stage3", "stage3_no_prefetch"),
 }
 # zero_optimization keys of the stage-3 systems, chosen to do what FSDP2 does with
 # reshard_after_forward=True, about one FSDP2 group ahead:
@@ -579,8 +580,12 @@ def _find(results: list[SystemResult], key: str) -> SystemResult | None:
     return None
 
 
+def _fmt(value: float, spec: str) -> str:
+    return "-" if math.isnan(value) else format(value, spec)
+
+
 def _ms(value: float) -> str:
-    return "-" if math.isnan(value) else f"{value:.0f}"
+    return _fmt(value, ".0f")
 
 
 def format_table(spec: RunSpec, numel: int, results: list[SystemResult], rounds: int) -> str:
@@ -608,11 +613,10 @@ def format_table(spec: RunSpec, numel: int, results: list[SystemResult], rounds:
         if ddp and len(ddp.losses) == len(r.losses):
             dloss = f"{max(abs(a - b) for a, b in zip(r.losses, ddp.losses, strict=True)):.1e}"
         lines.append(
-            f"| {r.system.name} | {r.step_s:.3f} | {vs_ddp:.3f} | {r.other_load:.2f} | {wire} | "
-            f"{r.wire_units * unit_mb:.0f} | {r.state_mib:.0f} | {r.peak_rss_mib:.0f} | "
-            f"{_ms(r.comm_ms)} | {_ms(r.exposed_ms)} | "
-            f"{'-' if math.isnan(r.eta) else f'{r.eta:.2f}'} | {r.losses[-1]:.5f} | {dloss} | "
-            f"{r.seconds:.0f} |"
+            f"| {r.system.name} | {r.step_s:.3f} | {_fmt(vs_ddp, '.3f')} | {r.other_load:.2f} | "
+            f"{wire} | {r.wire_units * unit_mb:.0f} | {r.state_mib:.0f} | {r.peak_rss_mib:.0f} | "
+            f"{_ms(r.comm_ms)} | {_ms(r.exposed_ms)} | {_fmt(r.eta, '.2f')} | "
+            f"{r.losses[-1]:.5f} | {dloss} | {r.seconds:.0f} |"
         )
     return "\n".join(lines)
 
@@ -677,7 +681,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--systems",
         nargs="+",
-        choices=[*SYSTEM_SETS, *(s.key for s in SYSTEMS if s.key not in SYSTEM_SETS)],
+        choices=[*SYSTEM_SETS, *(s.key for s in SYSTEMS)],
         default=["all"],
         metavar="SYSTEM",
         help="systems to run, by key ("
@@ -722,7 +726,7 @@ def _systems(names: list[str]) -> tuple[System, ...]:
     return tuple(s for s in SYSTEMS if s.key in keys)
 
 
-def main(argv: list[str] | None = None) -> list[SystemResult]:
+def run(argv: list[str] | None = None) -> list[SystemResult]:
     """Run the benchmark, print its tables (markdown) and return every row."""
     args = _parse(argv)
     specs = _specs(args)
@@ -775,5 +779,10 @@ def main(argv: list[str] | None = None) -> list[SystemResult]:
     return everything
 
 
+def main(argv: list[str] | None = None) -> int:
+    """``run``; the exit status is 1 when a system failed (``zerolap bench`` ORs it)."""
+    return int(any(result.error for result in run(argv)))
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
