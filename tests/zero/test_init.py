@@ -92,10 +92,11 @@ def test_model_built_under_init_never_materialises_in_full():
         mib = {k: round(v / 2**20) for k, v in result.items()}
         assert result["whole"] == 0
         assert result["kept"] == full // world, mib
-        # The control proves the measure sees a whole model being built.
-        assert result["plain_growth"] >= 0.95 * full, mib
-        # Under Init: this rank's shards plus about two layers in flight (the one being built
-        # and its padded copy), far below the whole model.
+        # The control proves the measure sees a whole model being built (less a little: the
+        # baseline's own free heap pages can absorb part of it).
+        assert result["plain_growth"] >= 0.85 * full, mib
+        # Under Init: this rank's shards plus a layer or two in flight (the one being built and
+        # the broadcast's buffers), far below the whole model.
         assert result["growth"] <= full / world + 3 * layer_bytes, mib
         assert result["growth"] <= 0.5 * full, mib
 

@@ -259,8 +259,8 @@ PREFETCH_CASES = {
         {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0},
         _stats(8, 0, 8),
     ),
-    # A prefetch bucket smaller than a unit prefetches nothing; one unit's worth is enough.
-    "bucket one short": ({"stage3_prefetch_bucket_size": UNIT - 1}, _stats(8, 0, 4)),
+    # A prefetch bucket smaller than a unit still prefetches the next unit, one at a time.
+    "bucket one short": ({"stage3_prefetch_bucket_size": UNIT - 1}, _stats(8, 4, 0)),
     "bucket one unit": ({"stage3_prefetch_bucket_size": UNIT}, _stats(8, 4, 0)),
 }
 
@@ -783,6 +783,8 @@ def test_memory_per_rank_matches_the_stage_3_formula(ranks):
             assert row["total_bytes"] <= row["zero_formula_bytes"] == psi * 20 / n, row
             # Besides model state: the reducer's pool of at most 4 unit-sized gradient buffers.
             assert 0 < row["bucket_buffer_bytes"] <= 4 * unit * 4, row
+            # And the pool of released units' memory: never more than one whole model.
+            assert 0 <= row["param_buffer_bytes"] <= psi * 4, row
 
 
 def wire_bytes_of_step(zero: dict) -> tuple[int, set, int, int]:

@@ -149,8 +149,8 @@ def _print_report(summary: dict, paths, stage: int, world: int) -> None:
         print(
             f"  rank {m['rank']}: {m['total_bytes'] / 2**20:7.2f} MiB   expected "
             f"{m['expected_bytes'] / 2**20:7.2f} MiB   ZeRO paper (with fp32 master) "
-            f"{m['zero_formula_bytes'] / 2**20:7.2f} MiB   + bucket buffers "
-            f"{m['bucket_buffer_bytes'] / 2**20:.2f} MiB"
+            f"{m['zero_formula_bytes'] / 2**20:7.2f} MiB   + reusable buffers "
+            f"{(m['bucket_buffer_bytes'] + m['param_buffer_bytes']) / 2**20:.2f} MiB"
         )
     ratio = summary["wire_bytes_per_step"] / summary["wire_theory_bytes"]
     print(

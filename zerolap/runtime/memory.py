@@ -32,7 +32,8 @@ class MemoryBreakdown:
     grads_bytes: int
     master_bytes: int
     optimizer_state_bytes: int
-    bucket_buffer_bytes: int  # reusable communication buffers, not model state
+    bucket_buffer_bytes: int  # reusable gradient bucket buffers, not model state
+    param_buffer_bytes: int  # stage 3: pooled memory of released units, for the next gathers
     expected_bytes: float  # zerolap's formula for this stage and precision (see module doc)
     zero_formula_bytes: float  # the ZeRO / DeepSpeed formula, with an fp32 master copy
 
@@ -66,6 +67,7 @@ def measure_memory(engine) -> MemoryBreakdown:
         master_bytes=engine.optimizer.master_bytes(),
         optimizer_state_bytes=engine.optimizer.state_bytes(),
         bucket_buffer_bytes=engine.grads.buffer_bytes(),
+        param_buffer_bytes=engine.param_store.buffer_bytes(),
         expected_bytes=formula(master=4 if mixed else 0),
         zero_formula_bytes=formula(master=4 if (mixed or stage > 0) else 0),
     )

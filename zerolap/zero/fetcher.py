@@ -11,10 +11,11 @@ Per module that needs units (``zero.units``):
 * a unit is released in backward once every one of its parameters' gradients has been
   accumulated (and handed to the reducer): ``finish_backward`` releases whatever is left.
 
-Prefetch keeps at most ``stage3_prefetch_bucket_size`` elements gathered ahead of use and never
-lets more than ``stage3_max_live_parameters`` elements be gathered at once. Every rank issues the
-same gathers in the same order because they all see the same fetches and the same record; the
-record itself is checked to be identical on all ranks once, after the first step.
+Prefetch keeps at most ``stage3_prefetch_bucket_size`` elements gathered ahead of use (or one
+unit, if that is larger) and never lets more than ``stage3_max_live_parameters`` elements be
+gathered at once. Every rank issues the same gathers in the same order because they all see
+the same fetches and the same record; the record itself is checked to be identical on all ranks
+once, after the first step.
 """
 
 from __future__ import annotations
@@ -159,7 +160,10 @@ class ParamFetcher:
             if store.status[unit] != ParamStatus.SHARDED:
                 continue
             numel = store.numel[unit]
-            if ahead + numel > self.prefetch_numel or live + numel > self.max_live_numel:
+            # The next unit is prefetched even when it alone exceeds the budget (as DeepSpeed
+            # does): a budget below the largest unit would otherwise never prefetch it.
+            over_budget = ahead > 0 and ahead + numel > self.prefetch_numel
+            if over_budget or live + numel > self.max_live_numel:
                 return
             store.launch(unit)
             self._prefetched[unit] = None

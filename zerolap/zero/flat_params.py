@@ -65,3 +65,6 @@ class FlatParams:
 
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
+
+    def buffer_bytes(self) -> int:
+        return 0  # nothing beyond the flat buffer itself
