@@ -235,6 +235,12 @@ def _torch_trainer(system: System, model) -> _Trainer:
         local = optimizer.optim  # the state of this rank's partition
     else:
         optimizer = local = torch.optim.AdamW(wrapped.parameters(), **adamw)
+    return _plain_trainer(wrapped, model, optimizer, local)
+
+
+def _plain_trainer(wrapped, model, optimizer, local_optimizer) -> _Trainer:
+    """A torch training step through ``wrapped``; model state counted from ``model``'s
+    parameters and gradients and ``local_optimizer``'s state (this rank's part of it)."""
 
     def step(inputs, targets) -> float:
         optimizer.zero_grad(set_to_none=True)
@@ -246,7 +252,7 @@ def _torch_trainer(system: System, model) -> _Trainer:
     def state_bytes() -> int:
         params = list(model.parameters())
         grads = [p.grad for p in params if p.grad is not None]
-        states = _optimizer_state_tensors(local)
+        states = _optimizer_state_tensors(local_optimizer)
         return _tensor_bytes(params) + _tensor_bytes(grads) + _tensor_bytes(states)
 
     return _Trainer(step, state_bytes, logged=False)
@@ -264,21 +270,7 @@ def _fsdp2_trainer(model, world_size: int) -> _Trainer:
         fully_shard(block, mesh=mesh, reshard_after_forward=True)
     fully_shard(model, mesh=mesh, reshard_after_forward=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
-
-    def step(inputs, targets) -> float:
-        optimizer.zero_grad(set_to_none=True)
-        loss = model(inputs, targets)
-        loss.backward()
-        optimizer.step()
-        return loss.item()
-
-    def state_bytes() -> int:
-        params = list(model.parameters())
-        grads = [p.grad for p in params if p.grad is not None]
-        states = _optimizer_state_tensors(optimizer)
-        return _tensor_bytes(params) + _tensor_bytes(grads) + _tensor_bytes(states)
-
-    return _Trainer(step, state_bytes, logged=False)
+    return _plain_trainer(model, model, optimizer, optimizer)
 
 
 def _zerolap_trainer(system: System, model, micro_batch: int) -> _Trainer:
