@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Iterator
 
 __all__ = ["FetchTrace"]
 
@@ -65,11 +66,12 @@ class FetchTrace:
             return False
         return True
 
-    def upcoming(self) -> list[int]:
-        """Units the record says come after the latest fetch (empty off trace)."""
+    def upcoming(self) -> Iterator[int]:
+        """Units the record says come after the latest fetch (none off trace), lazily: the
+        prefetch usually stops after a few."""
         if not self.on_trace:
-            return []
-        return self.recorded[len(self.current) :]
+            return iter(())
+        return itertools.islice(self.recorded, len(self.current), None)
 
     def reuse_distance(self, unit: int) -> int | None:
         """Elements fetched between now and ``unit``'s next use in this step, per the record;

@@ -39,7 +39,7 @@ __all__ = ["FetchStats", "ParamFetcher"]
 
 @dataclass
 class FetchStats:
-    """Counters since the engine was built (or ``reset``)."""
+    """Counters since the engine was built."""
 
     fetches: int = 0  # units a module needed
     prefetched: int = 0  # ... that a prefetch had already started or finished
@@ -76,14 +76,13 @@ class ParamFetcher:
         self._checked = False
         self._slots = [len(b.slots) for b in store.layout.buckets]
         self._due = list(self._slots)  # gradients still to arrive per unit in this backward
-        self._hooks = []
         for module, units in fetch.items():
-            self._hooks.append(module.register_forward_pre_hook(self._pre_forward(units)))
-            self._hooks.append(module.register_forward_hook(self._post_forward(units)))
+            module.register_forward_pre_hook(self._pre_forward(units))
+            module.register_forward_hook(self._post_forward(units))
         for slot, param in enumerate(store.params):
             unit = store.layout.slots[slot].bucket
             if not store.persistent[unit]:
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad(unit)))
+                param.register_post_accumulate_grad_hook(self._on_grad(unit))
 
     # -- step boundaries ----------------------------------------------------------------------
 
@@ -249,8 +248,3 @@ class ParamFetcher:
                 self.store.release(unit)
 
         return hook
-
-    def remove_hooks(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []

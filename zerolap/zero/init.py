@@ -82,7 +82,7 @@ class InitPartition:
 
     def hold(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
         for param in params:
-            param.data = self.full_value(param).clone()
+            param.data = self.full_value(param)
             param.ds_status = ParamStatus.AVAILABLE
         return params
 
