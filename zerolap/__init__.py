@@ -10,7 +10,7 @@ from zerolap.config import add_config_arguments
 from zerolap.runtime.engine import ZerolapEngine
 from zerolap.runtime.initialize import initialize
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 DeepSpeedEngine = ZerolapEngine  # the name DeepSpeed scripts use in isinstance checks
 
