@@ -1,26 +1,45 @@
 """zerolap: ZeRO-sharded data-parallel training for PyTorch, DeepSpeed-compatible.
 
 ``import zerolap as deepspeed`` gives the names a DeepSpeed training script uses:
-``initialize``, ``init_distributed``, ``add_config_arguments``, ``comm`` and ``zero``.
+``initialize``, ``init_distributed``, ``add_config_arguments``, ``comm``, ``zero``, ``utils``,
+``accelerator``, ``checkpointing``, ``ops``, ``runtime``, ``checkpoint``, each reachable along
+DeepSpeed's module paths (``zerolap.aliases``).
 """
 
-from zerolap import comm, zero
+import sys
+
+from zerolap import accelerator, aliases, checkpoint, comm, ops, runtime, utils, zero
+from zerolap.accelerator import get_accelerator
 from zerolap.comm import init_distributed
-from zerolap.config import add_config_arguments
-from zerolap.runtime.engine import ZerolapEngine
+from zerolap.config import ConfigError, add_config_arguments
+from zerolap.runtime.engine import DeepSpeedEngine, ZerolapEngine
 from zerolap.runtime.initialize import initialize
+from zerolap.utils import RepeatingLoader, log_dist, logger
 
 __version__ = "0.2.0"
 
-DeepSpeedEngine = ZerolapEngine  # the name DeepSpeed scripts use in isinstance checks
+DeepSpeedConfigError = ConfigError  # DeepSpeed's name for a rejected ds_config
 
 __all__ = [
+    "DeepSpeedConfigError",
     "DeepSpeedEngine",
+    "RepeatingLoader",
     "ZerolapEngine",
     "__version__",
+    "accelerator",
     "add_config_arguments",
+    "checkpoint",
+    "checkpointing",
     "comm",
+    "get_accelerator",
     "init_distributed",
     "initialize",
+    "log_dist",
+    "logger",
+    "ops",
+    "runtime",
+    "utils",
     "zero",
 ]
+
+aliases.link(sys.modules[__name__])  # deepspeed.runtime.zero.partition_parameters & co.

@@ -25,7 +25,7 @@ import importlib.util
 import sys
 from types import ModuleType
 
-__all__ = ["DEEPSPEED_API", "MODULES", "deepspeed_version", "serve"]
+__all__ = ["DEEPSPEED_API", "MODULES", "deepspeed_version", "link", "serve"]
 
 DEEPSPEED_API = "0.19.8"
 """The DeepSpeed release whose interface zerolap mirrors (the shim's version starts with it)."""
@@ -94,11 +94,22 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
         return importlib.util.spec_from_loader(fullname, _AliasLoader(zerolap_name))
 
 
+def link(root: ModuleType) -> None:
+    """Make every path of ``MODULES`` an attribute chain from ``root`` (``zerolap``, or the
+    shim's ``deepspeed``), as DeepSpeed's eager imports make them: clients write
+    ``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`` after a bare ``import deepspeed``."""
+    for path in sorted(MODULES, key=lambda p: p.count(".")):
+        parent_path, _, name = path.rpartition(".")
+        parent = importlib.import_module(MODULES[parent_path]) if parent_path else root
+        setattr(parent, name, importlib.import_module(MODULES[path]))
+
+
 def serve(package: ModuleType) -> None:
     """Make ``package`` (the shim's ``deepspeed``) answer as DeepSpeed: zerolap's public names,
     DeepSpeed-style version attributes, and every submodule from ``MODULES``."""
-    import zerolap
     from importlib.metadata import PackageNotFoundError, version
+
+    import zerolap
 
     for name in zerolap.__all__:
         setattr(package, name, getattr(zerolap, name))
@@ -114,6 +125,7 @@ def serve(package: ModuleType) -> None:
         patch,
     )
     package.__path__ = []  # no files below the shim: submodules come from the finder alone
+    link(package)
     if not any(
         isinstance(f, _AliasFinder) and f.package == package.__name__ for f in sys.meta_path
     ):

@@ -9,9 +9,12 @@ from zerolap.config import ConfigError, ZeroConfig
 from zerolap.config.section import nearest_key
 
 
-def test_unknown_top_level_key_names_the_nearest_valid_key():
-    message = load_error({"zero_optimisation": {"stage": 1}})
-    assert "zero_optimisation: unknown key; did you mean zero_optimization?" in message
+def test_unknown_top_level_key_loads_and_is_named_with_the_nearest_valid_key():
+    # DeepSpeed ignores unknown top-level keys and real configs carry some: they load, and
+    # the engine warns with these words.
+    config = load({"zero_optimisation": {"stage": 1}})
+    assert config.unknown_keys() == ["zero_optimisation (did you mean zero_optimization?)"]
+    assert config.zero_optimization.stage == 0
 
 
 def test_unknown_nested_key_names_its_dotted_path():
@@ -37,8 +40,12 @@ def test_unknown_key_without_a_close_match_lists_the_small_section():
 
 
 def test_unknown_key_without_a_close_match_at_the_top_level():
-    message = load_error({"qqqqqq": 1})
-    assert "qqqqqq: unknown key; it is neither a DeepSpeed nor a zerolap key" in message
+    assert load({"qqqqqq": 1}).unknown_keys() == ["qqqqqq"]
+
+
+def test_unknown_key_with_no_close_match_in_a_small_section_lists_the_valid_keys():
+    message = load_error({"bf16": {"qqqqqq": 1}})
+    assert "bf16.qqqqqq: unknown key; valid keys: enabled" in message
 
 
 def test_nearest_key_ignores_case():

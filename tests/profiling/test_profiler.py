@@ -6,6 +6,7 @@ import torch
 
 import zerolap
 import zerolap.comm as dist
+from tests.logs import captured_logs
 from zerolap.profiling.profiler import StepProfiler
 from zerolap.profiling.timeline import COMM, COMPUTE
 
@@ -49,17 +50,13 @@ def test_profiler_records_phases_blocks_and_collectives(ranks):
     ranks(2).run(check_profiler_spans_and_stats)
 
 
-def check_wall_clock_breakdown(capsys=None) -> str:
-    import contextlib
-    import io
-
+def check_wall_clock_breakdown() -> str:
     engine, _ = _engine(wall_clock_breakdown=True, steps_per_print=2)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
+    with captured_logs() as logs:
         for _ in range(4):
             engine.backward(engine(torch.randn(4, 64)).pow(2).mean())
             engine.step()
-    return out.getvalue()
+    return "\n".join(logs)
 
 
 def test_wall_clock_breakdown_prints_every_steps_per_print(ranks):

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from tests.logs import captured_logs
 from zerolap.runtime.lr_schedules import (
     WarmupCosineLR,
     WarmupDecayLR,
@@ -139,8 +140,9 @@ def test_bad_arguments():
         WarmupLR(sgd(), warmup_type="cosine")
     with pytest.raises(ValueError, match=r"warmup_num_steps must be positive"):
         WarmupLR(sgd(), warmup_num_steps=0)
-    with pytest.warns(UserWarning, match=r"total_num_steps 5 is less than warmup_num_steps 10"):
+    with captured_logs() as logs:
         WarmupDecayLR(sgd(), total_num_steps=5, warmup_num_steps=10)
+    assert logs == ["WARNING: total_num_steps 5 is less than warmup_num_steps 10"]
 
 
 def test_build_scheduler():

@@ -229,12 +229,17 @@ def test_fp16_communication_data_type(ranks):
 
 
 def check_errors_before_training() -> None:
-    with pytest.raises(ConfigError, match="zero_optimisation"):
+    with pytest.raises(ConfigError, match=r"zero_optimization\.stag: unknown key; did you mean"):
         zerolap.initialize(
-            model=wide_mlp(), config={"train_batch_size": 8, "zero_optimisation": {"stage": 1}}
+            model=wide_mlp(), config={"train_batch_size": 8, "zero_optimization": {"stag": 1}}
         )
-    with pytest.raises(ConfigError, match="no optimizer"):
-        zerolap.initialize(model=wide_mlp(), config={"train_batch_size": 8 * dist.get_world_size()})
+    # No optimizer anywhere: an engine that runs forward only, and says so when asked to train.
+    engine, optimizer, _, scheduler = zerolap.initialize(
+        model=wide_mlp(), config={"train_batch_size": 8 * dist.get_world_size()}
+    )
+    assert optimizer is None and scheduler is None and engine.optimizer is None
+    with pytest.raises(RuntimeError, match=r"engine.backward\(\) needs an optimizer"):
+        engine.backward(engine(torch.ones(2, 128)).sum())
     engine, *_ = zerolap.initialize(model=wide_mlp(), config=_config(2))
     with (
         pytest.raises(RuntimeError, match="no_sync is not possible with ZeRO stage 2"),

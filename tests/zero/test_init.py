@@ -191,8 +191,14 @@ def check_values_after_init_and_initialize(threshold: int, bf16: bool, config_pa
         "tied": tied,
         "values": values,
         "out": torch.equal(out, reference(tokens())),
-        "leftover": [hasattr(p, "ds_tensor") for p in model.parameters()],
+        # zero.Init's per-parameter shards are gone: each ds_tensor now views the engine's shard
+        "own_shard": [_views(p.ds_tensor, engine.param_store.shard) for p in model.parameters()],
     }
+
+
+def _views(tensor: torch.Tensor, base: torch.Tensor) -> bool:
+    start, end = base.data_ptr(), base.data_ptr() + base.numel() * base.element_size()
+    return tensor.numel() == 0 or start <= tensor.data_ptr() < end
 
 
 def _gathered(params) -> list[torch.Tensor]:
@@ -221,34 +227,32 @@ def test_values_after_init_equal_one_process_with_the_same_seed(
         assert result["tied"]
         assert result["values"] == [True] * len(want_shapes)
         assert result["out"]
-        assert result["leftover"] == [False] * len(want_shapes)
+        assert result["own_shard"] == [True] * len(want_shapes)
 
 
 def check_init_of_an_existing_model() -> dict:
     torch.manual_seed(dist.get_rank())
     model = TinyGPT()
-    model.ln_f.requires_grad_(False)  # frozen: not managed by the engine, whole again
+    model.ln_f.requires_grad_(False)  # frozen: the engine shards it too, in a unit of its own
     Init(module=model)
     sharded = [
         p.ds_status == ParamStatus.SHARDED and p.data.numel() == 0 for p in model.parameters()
     ]
-    zerolap.initialize(model=model, config=stage3_config())
-    frozen_whole = all(
-        not hasattr(p, "ds_status") and p.numel() > 0 for p in model.ln_f.parameters()
-    )
+    engine, *_ = zerolap.initialize(model=model, config=stage3_config())
+    frozen_managed = all(p.ds_owner is engine.param_store for p in model.ln_f.parameters())
     reference = reference_gpt()
     values = [
         torch.equal(a, b)
         for a, b in zip(_gathered(model.parameters()), reference.parameters(), strict=True)
     ]
-    return {"sharded": sharded, "frozen_whole": frozen_whole, "values": values}
+    return {"sharded": sharded, "frozen_managed": frozen_managed, "values": values}
 
 
 def test_init_with_module_shards_an_existing_model(ranks):
     n = len(list(reference_gpt().parameters()))
     for result in ranks(2).run(check_init_of_an_existing_model, timeout=TIMEOUT):
         assert result["sharded"] == [True] * n
-        assert result["frozen_whole"]
+        assert result["frozen_managed"]
         assert result["values"] == [True] * n
 
 

@@ -11,7 +11,6 @@ Unit sizes below: ``Linear(32, 32)`` is 1056 elements, ``Linear(128, 128)`` 1651
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 
 import pytest
@@ -19,6 +18,7 @@ import torch
 
 import zerolap
 import zerolap.comm as dist
+from tests.logs import captured_logs
 from zerolap.zero import GatheredParameters, ParamStatus
 
 TIMEOUT = 60.0
@@ -384,8 +384,7 @@ def check_changing_order() -> dict:
     cfg["optimizer"]["params"]["weight_decay"] = 0.01
     engine, *_ = zerolap.initialize(model=Branchy(), config=cfg)
     outputs, misses = [], []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with captured_logs() as caught:
         for step, (kind, arg) in enumerate(BRANCHY_SCRIPT):
             x = branchy_batch(step)
             if kind == "train":
@@ -405,7 +404,7 @@ def check_changing_order() -> dict:
     reference_params, reference_outputs = branchy_reference()
     params = gathered(engine.module.parameters())
     return {
-        "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+        "warnings": [w for w in caught if w.startswith("WARNING")],
         "misses": misses,
         "params": max_diff(params, reference_params),
         "outputs": max_diff(outputs, reference_outputs),
@@ -430,8 +429,7 @@ def gathers_per_step_around_a_generation_loop() -> list[int]:
     rank = dist.get_rank()
     engine, *_ = zerolap.initialize(model=Branchy(), config=config(lr=0.05))
     counts = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # the generation leaves the record
+    with captured_logs():  # the generation leaves the record: its warning is not shown
         for step in range(7):
             x = branchy_batch(step)
             dist.configure(enabled=True)
@@ -592,14 +590,13 @@ def check_save_16bit_model(save_dir: str, flag: bool, bf16: bool) -> dict:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     engine, *_ = zerolap.initialize(model=WithBuffer(), config=config(bf16=bf16, **zero))
     train_step(engine, 0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with captured_logs() as caught:
         saved = engine.save_16bit_model(save_dir, save_filename="model.bin")
     names = [name for name, _ in engine.module.named_parameters()]
     expected = dict(zip(names, gathered(engine.module.parameters()), strict=True))
     result = {
         "saved": saved,
-        "warnings": [str(w.message) for w in caught],
+        "warnings": caught,
         "live": engine.param_store.live_numel(),
         "exists": (Path(save_dir) / "model.bin").exists(),
     }

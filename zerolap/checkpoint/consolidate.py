@@ -13,28 +13,30 @@ from pathlib import Path
 
 import torch
 
-from zerolap.checkpoint.files import MODEL_FILE, CheckpointError, optim_file, read, read_latest
+from zerolap.checkpoint.files import CheckpointError, read_checkpoint, read_latest
 from zerolap.checkpoint.shards import SavedParams, SegmentIndex
 
 __all__ = ["get_fp32_state_dict"]
 
 
-def get_fp32_state_dict(checkpoint_dir, tag: str | None = None) -> dict[str, torch.Tensor]:
-    """The model's full state dict in fp32, loadable into the plain model with strict=True."""
+def get_fp32_state_dict(
+    checkpoint_dir, tag: str | None = None, *, exclude_frozen_parameters: bool = False
+) -> dict[str, torch.Tensor]:
+    """The model's full state dict in fp32, loadable into the plain model with strict=True
+    (without the frozen parameters when ``exclude_frozen_parameters``)."""
     checkpoint_dir = Path(checkpoint_dir)
     tag = tag if tag is not None else read_latest(checkpoint_dir)
     folder = checkpoint_dir / tag
     if not folder.is_dir():
         raise CheckpointError(f"tag {tag!r} not found in {checkpoint_dir}")
-    saved = read(folder / MODEL_FILE, what="model states")
-    shards = [
-        read(folder / optim_file(r), what=f"optimizer shard of rank {r}")
-        for r in range(saved["world_size"])
-    ]
+    saved, shards = read_checkpoint(folder)
     params = SavedParams(saved, SegmentIndex(shards))
     built: dict[str, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
+    frozen = set(saved.get("frozen", ())) if exclude_frozen_parameters else set()
     for key, tensor in saved["module"].items():
+        if key in frozen:
+            continue
         name = saved["aliases"].get(key)
         if name is None:
             out[key] = tensor.float().clone() if tensor.is_floating_point() else tensor.clone()

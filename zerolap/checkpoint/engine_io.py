@@ -1,17 +1,20 @@
 """``engine.save_checkpoint`` and ``engine.load_checkpoint``.
 
 Every rank saves its optimizer shard (fp32 values and state of the elements it owns) and RNG;
-rank 0 saves the module states, counters, scheduler, loss scaler and the client's state. In
-stages 0-2 the module states hold whole parameters, as every rank has them. Under stage 3 no
-rank does: their entries are empty placeholders (or, with
-``stage3_gather_16bit_weights_on_model_save``, the gathered 16-bit weights) and the optimizer
-shards are the parameters' copy (``checkpoint.shards``).
+rank 0 saves the module states, counters, scheduler, loss scaler and the client's state.
 
-Loading takes buffers and frozen parameters from the module states and every trainable
-parameter element from whichever saved shards hold it (``SavedParams``): whole parameters in
-stages 0-2, this rank's shard of each unit under stage 3. Then each optimizer run's state is
-gathered the same way. A checkpoint saved at one world size and stage loads at any other, with
-no conversion step.
+*Managed* parameters are those whose values the checkpoint keeps as pieces: the trainable ones
+in stages 0-2 (the optimizer shards hold their fp32 values), and under stage 3 every sharded
+parameter, frozen ones included (no rank holds them whole: their module-state entries are
+empty placeholders, or with ``stage3_gather_16bit_weights_on_model_save`` the gathered 16-bit
+weights, and each rank saves the elements it owns).
+
+Loading takes buffers and unmanaged parameters from the module states and every managed
+parameter element from whichever saved pieces or whole tensors hold it (``SavedParams``):
+whole parameters in stages 0-2, this rank's shard of each unit under stage 3. Then each
+optimizer run's state is gathered the same way. A checkpoint saved at one world size and stage
+loads at any other, with no conversion step; one saved by DeepSpeed 0.19 is read into the same
+form first (``checkpoint.deepspeed_format``).
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ import zerolap.comm as dist
 from zerolap.checkpoint.files import (
     MODEL_FILE,
     CheckpointError,
+    find_latest,
+    no_latest,
     optim_file,
     partial_dir,
     publish,
-    read,
-    read_latest,
+    read_checkpoint,
     write,
 )
 from zerolap.checkpoint.module_state import full_state_dict
@@ -41,22 +45,35 @@ from zerolap.checkpoint.shards import (
     rng_state,
     segments_of,
 )
+from zerolap.utils.logging import logger
 from zerolap.zero.status import full_shape
 
-__all__ = ["load_checkpoint", "param_names", "save_checkpoint"]
+__all__ = ["load_checkpoint", "managed_names", "save_checkpoint"]
 
 
-def param_names(engine) -> list[str]:
-    """The name of each trainable parameter, in layout order (the first name of a tied one)."""
+def _managed(engine) -> list[torch.nn.Parameter]:
+    """The parameters the checkpoint keeps as pieces, in the order of the store's layout."""
+    if engine.plan.shard_params:
+        return [] if engine.param_store is None else engine.param_store.params
+    return engine.params
+
+
+def _first_names(engine) -> dict[int, str]:
     names = {}
     for name, param in engine.module.named_parameters():
         names.setdefault(id(param), name)
-    return [names[id(p)] for p in engine.params]
+    return names
+
+
+def managed_names(engine) -> list[str]:
+    """The name of each managed parameter, in layout order (the first name of a tied one)."""
+    names = _first_names(engine)
+    return [names[id(p)] for p in _managed(engine)]
 
 
 def _aliases(engine) -> dict[str, str]:
-    """state_dict key -> trainable parameter name (tied weights have several keys)."""
-    by_id = dict(zip((id(p) for p in engine.params), param_names(engine), strict=True))
+    """state_dict key -> managed parameter name (tied weights have several keys)."""
+    by_id = dict(zip((id(p) for p in _managed(engine)), managed_names(engine), strict=True))
     return {
         key: by_id[id(t)]
         for key, t in engine.module.state_dict(keep_vars=True).items()
@@ -64,34 +81,60 @@ def _aliases(engine) -> dict[str, str]:
     }
 
 
-def _shard_runs(engine, names: list[str], rank: int) -> list[dict]:
-    """What this rank saves of the optimizer: its runs (stage 0: rank 0 alone, one copy
-    suffices), and under stage 3 also its elements of parameters outside every run."""
-    optimizer, layout = engine.optimizer, engine.layout
-    if not engine.plan.shard_optimizer and rank != 0:
-        return []
-    runs = collect_runs(optimizer, layout, names)
+def _frozen(param) -> bool:
+    return isinstance(param, torch.nn.Parameter) and not param.requires_grad
+
+
+def _frozen_keys(engine) -> list[str]:
+    """state_dict keys of frozen parameters (consolidation can leave them out)."""
+    states = engine.module.state_dict(keep_vars=True)
+    return [key for key, tensor in states.items() if _frozen(tensor)]
+
+
+def _shard_runs(engine, names: list[str], rank: int, exclude_frozen: bool) -> list[dict]:
+    """What this rank saves of the parameters: its optimizer runs (stage 0: rank 0 alone, one
+    copy suffices), and under stage 3 also its elements of managed parameters outside every
+    run (frozen ones, unless excluded)."""
+    runs = []
+    optimizer = engine.optimizer
+    if optimizer is not None and (engine.plan.shard_optimizer or rank == 0):
+        runs = collect_runs(optimizer, engine.layout, names)
     if engine.plan.shard_params:
-        owned = layout.owned_ranges(dist.get_rank(engine.group))
-        shard = engine.param_store.shard
-        runs += collect_unoptimized(layout, names, optimizer.runs, owned, shard)
+        store = engine.param_store
+        owned = store.layout.owned_ranges(dist.get_rank(engine.group))
+        optimized = optimizer.runs if optimizer is not None else []
+        pieces = collect_unoptimized(store.layout, names, optimized, owned, store.shard)
+        if exclude_frozen:
+            frozen = {n for n, p in zip(names, store.params, strict=True) if _frozen(p)}
+            pieces = [r for r in pieces if r["segments"][0].name not in frozen]
+        runs += pieces
     return runs
 
 
-def _module_states(engine, aliases: dict[str, str]) -> dict:
+def _module_states(engine, aliases: dict[str, str], exclude_frozen: bool) -> dict:
     """The module's state dict for rank 0 to save (a collective under stage 3 with
     ``stage3_gather_16bit_weights_on_model_save``, which saves the whole 16-bit weights)."""
     if not engine.plan.shard_params:
-        return engine.module.state_dict()
+        states = engine.module.state_dict(keep_vars=True)
+        return {k: t.detach() for k, t in states.items() if not (exclude_frozen and _frozen(t))}
     if engine.zero_gather_16bit_weights_on_model_save():
-        return full_state_dict(engine.module)
+        return full_state_dict(engine.module, exclude_frozen=exclude_frozen)
     return {
         key: torch.empty(0, dtype=t.dtype) if key in aliases else t.detach()
         for key, t in engine.module.state_dict(keep_vars=True).items()
+        if not (exclude_frozen and _frozen(t))
     }
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=True) -> str:
+def _optimizer_groups(engine) -> list[dict]:
+    if engine.optimizer is None:
+        return []
+    return [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
+
+
+def save_checkpoint(
+    engine, save_dir, tag=None, client_state=None, *, save_latest=True, exclude_frozen=False
+) -> str:
     save_dir = Path(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     staged = partial_dir(save_dir, tag)
@@ -99,28 +142,34 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
     if rank == 0:
         staged.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    names = param_names(engine)
+    names = managed_names(engine)
     aliases = _aliases(engine)
-    module_states = _module_states(engine, aliases)
+    module_states = _module_states(engine, aliases, exclude_frozen)
+    if exclude_frozen:
+        frozen = {n for n, p in zip(names, _managed(engine), strict=True) if _frozen(p)}
+        names_saved = [n for n in names if n not in frozen]
+        aliases = {k: n for k, n in aliases.items() if n not in frozen}
+    else:
+        names_saved = names
     write(
         {
             "rank": rank,
             "world_size": world,
-            "runs": _shard_runs(engine, names, rank),
-            "param_groups": [
-                {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
-            ],
+            "runs": _shard_runs(engine, names, rank, exclude_frozen),
+            "param_groups": _optimizer_groups(engine),
             "rng": rng_state(),
         },
         staged / optim_file(rank),
     )
     if rank == 0:
+        shapes = dict(zip(names, (full_shape(p) for p in _managed(engine)), strict=True))
         write(
             {
                 "module": module_states,
-                "param_names": names,
-                "param_shapes": _shapes(engine, names),
+                "param_names": names_saved,
+                "param_shapes": {n: shapes[n] for n in names_saved},
                 "aliases": aliases,
+                "frozen": _frozen_keys(engine) if not exclude_frozen else [],
                 "world_size": world,
                 "zero_stage": engine.zero_optimization_stage(),
                 "global_steps": engine.global_steps,
@@ -130,7 +179,7 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
                 "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
                 "loss_scaler": engine.loss_scaler.state_dict(),
                 "client_state": client_state or {},
-                "ds_config": engine.config.model_dump(mode="json"),
+                "ds_config": engine._config.model_dump(mode="json"),
             },
             staged / MODEL_FILE,
         )
@@ -141,27 +190,33 @@ def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest=T
     return str(save_dir / tag)
 
 
-def _shapes(engine, names: list[str]) -> dict[str, tuple[int, ...]]:
-    """Each trainable parameter's whole shape (stage 3's ``.data`` is empty)."""
-    return {n: full_shape(p) for n, p in zip(names, engine.params, strict=True)}
+def _saved_shapes(saved: dict) -> dict[str, tuple[int, ...]]:
+    """Every parameter and buffer the checkpoint can give, by state_dict key, with its shape."""
+    shapes = {k: tuple(t.shape) for k, t in saved["module"].items()}
+    for key, name in saved["aliases"].items():
+        shapes[key] = tuple(saved["param_shapes"][name])
+    return shapes
 
 
-def _check_same_model(engine, saved: dict, path: Path) -> None:
-    names = param_names(engine)
-    shapes = _shapes(engine, names)
-    old = saved["param_shapes"]
-    missing = sorted(set(shapes) - set(old))
-    unexpected = sorted(set(old) - set(shapes))
+def _check_same_model(engine, saved: dict, path: Path, strict: bool) -> None:
+    """Every parameter of the model must be in the checkpoint with its shape (a missing one
+    only when ``strict`` is off: a checkpoint saved without frozen parameters, say)."""
+    have = _saved_shapes(saved)
+    params = {n: full_shape(p) for n, p in engine.module.named_parameters(remove_duplicate=False)}
     changed = sorted(
-        f"{n}: saved {old[n]}, model {shapes[n]}"
-        for n in set(shapes) & set(old)
-        if tuple(old[n]) != shapes[n]
+        f"{n}: saved {have[n]}, model {shape}"
+        for n, shape in params.items()
+        if n in have and have[n] != shape and have[n] != (0,)
     )
-    if missing or unexpected or changed:
+    missing = sorted(n for n in params if n not in have)
+    unexpected = sorted(set(saved["param_shapes"]) - set(params))
+    if changed or unexpected or (missing and strict):
         raise CheckpointError(
             f"{path} is a checkpoint of another model: parameters missing from it {missing}, "
             f"not in the model {unexpected}, shapes differing {changed}"
         )
+    if missing:
+        logger.warning(f"{path}: parameters not in the checkpoint keep their values: {missing}")
 
 
 def _per_element(value, numel: int) -> bool:
@@ -169,16 +224,22 @@ def _per_element(value, numel: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel
 
 
-def _load_module_states(engine, saved: dict, path: Path) -> None:
-    """Buffers and frozen parameters; trainable parameters come from ``SavedParams``."""
-    entries = {k: v for k, v in saved["module"].items() if k not in saved["aliases"]}
+def _load_module_states(engine, saved: dict, path: Path, strict: bool, custom_load_fn) -> None:
+    """Buffers and unmanaged parameters; managed ones come from ``SavedParams``."""
+    aliases = _aliases(engine)
+    entries = {
+        k: v for k, v in saved["module"].items() if k not in saved["aliases"] and k not in aliases
+    }
+    if custom_load_fn is not None:
+        custom_load_fn(src=entries, dst=engine.module)
+        return
     try:
         with torch.no_grad():
             missing, unexpected = engine.module.load_state_dict(entries, strict=False)
     except RuntimeError as err:  # a buffer of another shape
         raise CheckpointError(f"{path} does not fit the model's module states: {err}") from None
-    missing = sorted(set(missing) - set(_aliases(engine)))
-    if missing or unexpected:
+    missing = sorted(set(missing) - set(aliases) - set(saved["aliases"]))
+    if strict and (missing or unexpected):
         raise CheckpointError(
             f"{path} is a checkpoint of another model: module states missing from it "
             f"{missing}, not in the model {sorted(unexpected)}"
@@ -186,30 +247,33 @@ def _load_module_states(engine, saved: dict, path: Path) -> None:
 
 
 def _load_params(engine, params: SavedParams, names: list[str]) -> None:
-    """Stages 0-2: every parameter whole. Stage 3: this rank's chunk of every unit, into the
-    parameter store's shard (gathered copies are refreshed by ``publish`` afterwards)."""
+    """Stages 0-2: every managed parameter whole. Stage 3: this rank's chunk of every unit,
+    into the parameter store's shard (gathered copies are refreshed by ``publish``)."""
     with torch.no_grad():
         if not engine.plan.shard_params:
             for name, param in zip(names, engine.params, strict=True):
-                params.fill(name, 0, param.numel(), param.data.view(-1))
+                if params.has(name):
+                    params.fill(name, 0, param.numel(), param.data.view(-1))
             return
-        layout, shard = engine.layout, engine.param_store.shard
+        store = engine.param_store
         rank = dist.get_rank(engine.group)
-        for bucket in layout.buckets:
+        for bucket in store.layout.buckets:
             start, end = bucket.chunk(rank)
-            base = layout.shard_offset(bucket.index)
-            for seg in segments_of(layout, names, start, end):
-                at = base + seg.run_offset
-                params.fill(seg.name, seg.param_start, seg.param_end, shard[at : at + seg.numel])
+            base = store.layout.shard_offset(bucket.index)
+            for seg in segments_of(store.layout, names, start, end):
+                if params.has(seg.name):
+                    at = base + seg.run_offset
+                    out = store.shard[at : at + seg.numel]
+                    params.fill(seg.name, seg.param_start, seg.param_end, out)
 
 
 def _load_master(engine, params: SavedParams, names: list[str]) -> None:
     """16-bit training: the fp32 master weights from the saved fp32 values, or with
     ``load_from_fp32_weights: false`` from the loaded 16-bit parameters (losing precision)."""
     optimizer = engine.optimizer
-    if optimizer.master is None:
+    if optimizer is None or optimizer.master is None:
         return
-    if not engine.config.zero_optimization.load_from_fp32_weights:
+    if not engine._config.zero_optimization.load_from_fp32_weights:
         optimizer.reload_master()
         return
     with torch.no_grad():
@@ -256,41 +320,47 @@ def load_checkpoint(
     engine,
     load_dir,
     tag=None,
+    *,
+    load_module_strict=True,
     load_optimizer_states=True,
     load_lr_scheduler_states=True,
     load_module_only=False,
+    custom_load_fn=None,
 ):
     load_dir = Path(load_dir)
-    tag = str(tag) if tag is not None else read_latest(load_dir)
-    folder = load_dir / tag
+    if tag is None:
+        tag = find_latest(load_dir)
+        if tag is None:
+            logger.warning(f"nothing loaded: {no_latest(load_dir)}")
+            return None, None
+    folder = load_dir / str(tag)
     if not folder.is_dir():
         raise CheckpointError(f"rank {dist.get_rank()}: tag {tag!r} not found in {load_dir}")
-    saved = read(folder / MODEL_FILE, what="model states")
-    _check_same_model(engine, saved, folder)
-    shards = [
-        read(folder / optim_file(r), what=f"optimizer shard of rank {r}")
-        for r in range(saved["world_size"])
-    ]
+    saved, shards = read_checkpoint(folder)
+    _check_same_model(engine, saved, folder, load_module_strict)
     index = SegmentIndex(shards)
     params = SavedParams(saved, index)
-    names = param_names(engine)
-    _load_module_states(engine, saved, folder)
+    names = managed_names(engine)
+    _load_module_states(engine, saved, folder, load_module_strict, custom_load_fn)
     _load_params(engine, params, names)
     _load_master(engine, params, names)
-    if load_optimizer_states and not load_module_only:
+    optimizer = engine.optimizer
+    if optimizer is not None and load_optimizer_states and not load_module_only:
         _load_optimizer_state(engine, index, shards, names)
     if engine.plan.shard_params:
-        engine.param_store.publish()  # persistent units gathered again from the new shards
+        engine.param_store.publish(frozen_too=True)  # persistent units from the new shards
     if load_module_only:
         return str(folder), saved["client_state"]
     if load_lr_scheduler_states and engine.lr_scheduler and saved["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
-    engine.loss_scaler.load_state_dict(saved["loss_scaler"])
+    if saved["loss_scaler"] is not None:
+        engine.loss_scaler.load_state_dict(saved["loss_scaler"])
     for counter in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
         setattr(engine, counter, saved[counter])
     rank = dist.get_rank()
-    if rank < len(shards):
+    if rank < len(shards) and shards[rank].get("rng") is not None:
         restore_rng(shards[rank]["rng"])
-    engine.zero_grad()
+    if optimizer is not None:
+        engine.zero_grad()
     dist.barrier()
     return str(folder), saved["client_state"]

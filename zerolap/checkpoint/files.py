@@ -22,9 +22,12 @@ import torch
 __all__ = [
     "MODEL_FILE",
     "CheckpointError",
+    "find_latest",
+    "no_latest",
     "optim_file",
     "publish",
     "read",
+    "read_checkpoint",
     "read_latest",
     "write",
 ]
@@ -73,15 +76,43 @@ def publish(save_dir: Path, tag: str, *, save_latest: bool) -> None:
         _write_text(save_dir / LATEST, tag)
 
 
-def read_latest(load_dir: Path) -> str:
+def find_latest(load_dir: Path) -> str | None:
+    """The tag ``load_dir/latest`` names, or None when there is no such file."""
     path = load_dir / LATEST
-    if not load_dir.is_dir():
-        raise CheckpointError(f"{load_dir} is not a directory")
     if not path.is_file():
-        tags = sorted(p.name for p in load_dir.iterdir() if (p / MODEL_FILE).is_file())
-        hint = f"; it holds tags {tags}, pass one as tag=" if tags else ""
-        raise CheckpointError(f"{load_dir} is not a checkpoint directory: no 'latest' file{hint}")
-    return path.read_text().strip()
+        return None
+    tag = path.read_text().strip()
+    if not tag:
+        raise CheckpointError(f"{path} is empty: it should name the newest checkpoint's tag")
+    return tag
+
+
+def no_latest(load_dir: Path) -> str:
+    """Why ``load_dir`` names no checkpoint, and which tags it holds if any."""
+    if not load_dir.is_dir():
+        return f"{load_dir} is not a directory"
+    tags = sorted(p.name for p in load_dir.iterdir() if (p / MODEL_FILE).is_file())
+    hint = f"; it holds tags {tags}, pass one as tag=" if tags else ""
+    return f"no 'latest' file in {load_dir}{hint}"
+
+
+def read_latest(load_dir: Path) -> str:
+    """The tag ``load_dir/latest`` names; an error saying what is there when it is absent."""
+    tag = find_latest(load_dir)
+    if tag is None:
+        raise CheckpointError(f"not a checkpoint directory: {no_latest(load_dir)}")
+    return tag
+
+
+def read_checkpoint(folder: Path) -> tuple[dict, list[dict]]:
+    """The model states and every rank's shard of the checkpoint in ``folder``, saved by
+    zerolap or by DeepSpeed (converted to zerolap's form, ``checkpoint.deepspeed_format``)."""
+    saved = read(folder / MODEL_FILE, what="model states")
+    shards = [
+        read(folder / optim_file(r), what=f"optimizer shard of rank {r}")
+        for r in range(saved["world_size"])
+    ]
+    return saved, shards
 
 
 def read(path: Path, *, what: str):

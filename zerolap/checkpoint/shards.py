@@ -126,21 +126,28 @@ class SegmentIndex:
 
 
 class SavedParams:
-    """Elements of each saved trainable parameter, in fp32: from the optimizer shards when they
-    hold the whole parameter; otherwise (stages 0-2, a parameter outside every optimizer group)
-    from the whole tensor in the module states."""
+    """Elements of each saved parameter, in fp32: from the saved pieces when they hold the whole
+    parameter; otherwise from the whole tensor in the module states (stages 0-2, and there
+    every parameter outside the optimizer, frozen ones included)."""
 
     def __init__(self, saved: dict, index: SegmentIndex) -> None:
         self.index = index
-        self.shapes = {n: tuple(s) for n, s in saved["param_shapes"].items()}
+        aliases = saved["aliases"]
+        self.shapes = {k: tuple(t.shape) for k, t in saved["module"].items() if k not in aliases}
+        self.shapes.update((n, tuple(s)) for n, s in saved["param_shapes"].items())
         self.whole: dict[str, torch.Tensor] = {}
-        for key, name in saved["aliases"].items():
-            tensor = saved["module"][key]
+        for key, tensor in saved["module"].items():
+            name = aliases.get(key, key)
             if tuple(tensor.shape) == self.shapes[name]:  # stage 3 saves empty placeholders
                 self.whole.setdefault(name, tensor)
 
     def numel(self, name: str) -> int:
         return math.prod(self.shapes[name])
+
+    def has(self, name: str) -> bool:
+        """Whether the checkpoint holds ``name`` (one saved without frozen parameters lacks
+        them)."""
+        return name in self.shapes
 
     def fill(self, name: str, lo: int, hi: int, out: torch.Tensor) -> None:
         """Copy elements ``[lo, hi)`` of ``name`` into the 1-D ``out``, cast to its dtype."""

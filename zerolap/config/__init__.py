@@ -12,7 +12,7 @@ from zerolap.config.errors import ConfigError
 from zerolap.config.offload import OffloadOptimizerConfig, OffloadParamConfig
 from zerolap.config.optimizer import OptimizerConfig
 from zerolap.config.precision import BF16Config, FP16Config
-from zerolap.config.root import ZerolapConfig, load_config
+from zerolap.config.root import ZerolapConfig, load_config, read_config
 from zerolap.config.scheduler import SchedulerConfig
 from zerolap.config.section import ConfigSection
 from zerolap.config.zero import ZeroConfig
@@ -32,5 +32,6 @@ __all__ = [
     "ZerolapConfig",
     "add_config_arguments",
     "load_config",
+    "read_config",
     "resolve_batch_size",
 ]

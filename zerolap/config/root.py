@@ -9,13 +9,14 @@ set.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import AliasChoices, Field, ValidationError
+from pydantic import AliasChoices, ConfigDict, Field, ValidationError
 
 from zerolap.config.batch import resolve_batch_size
 from zerolap.config.comms_logger import CommsLoggerConfig
@@ -26,7 +27,7 @@ from zerolap.config.precision import BF16Config, DTypeName, FP16Config, torch_dt
 from zerolap.config.scheduler import SchedulerConfig
 from zerolap.config.zero import ZeroConfig
 
-__all__ = ["ZerolapConfig", "load_config"]
+__all__ = ["ZerolapConfig", "load_config", "read_config"]
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -35,6 +36,10 @@ class ZerolapConfig(DeepSpeedKeys):
     """A ds_config: DeepSpeed's keys, spellings and defaults, checked at load."""
 
     auto_means_default = False  # DeepSpeed reads top-level values as they are
+    # DeepSpeed ignores top-level keys it does not know, and real configs carry some (keys of
+    # other tools, newer releases): they load, and the engine names each in one warning.
+    unknown_key_is_error = False
+    model_config = ConfigDict(**{**DeepSpeedKeys.model_config, "extra": "allow"})
 
     train_batch_size: int | None = Field(None, ge=1)
     """Samples per optimizer step over all ranks (micro-batch × accumulation × world size)."""
@@ -44,8 +49,11 @@ class ZerolapConfig(DeepSpeedKeys):
     """Micro-batches whose gradients are accumulated before each optimizer step."""
     gradient_clipping: float = Field(0.0, ge=0, allow_inf_nan=False)
     """Clip the global gradient norm to this value; 0 turns clipping off."""
-    steps_per_print: int | None = Field(10, ge=1)
-    """Print progress every this many optimizer steps; null never does."""
+    steps_per_print: float | None = 10
+    """Log progress (step, skipped steps, learning rates) and the wall-clock breakdown every
+    this many optimizer steps. Any number is accepted, as DeepSpeed accepts it: a fraction
+    rounds down, and null, infinity (Accelerate writes it), zero or a negative number never
+    log (see ``print_interval``)."""
     wall_clock_breakdown: bool = False
     """Time forward, backward and step, and print the breakdown."""
     prescale_gradients: bool = False
@@ -68,6 +76,14 @@ class ZerolapConfig(DeepSpeedKeys):
     """bf16 mixed precision (also spelt ``bfloat16``)."""
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     """The ZeRO stage and its knobs."""
+
+    @property
+    def print_interval(self) -> int | None:
+        """``steps_per_print`` as a whole number of steps, or None for never."""
+        value = self.steps_per_print
+        if value is None or not math.isfinite(value) or value < 1:
+            return None
+        return int(value)
 
     @property
     def precision(self) -> Literal["fp32", "fp16", "bf16"]:
@@ -96,6 +112,11 @@ class ZerolapConfig(DeepSpeedKeys):
         if self.fp16.enabled and self.bf16.enabled:
             message = "fp16 and bf16 cannot both be enabled; choose one"
             problems.append(Problem(("fp16.enabled", "bf16.enabled"), message))
+        if not self.zero_optimization.compute_grad_norm and self.gradient_clipping > 0:
+            message = "clipping needs the gradient norm; set gradient_clipping to 0 or this true"
+            problems.append(
+                Problem(("zero_optimization.compute_grad_norm", "gradient_clipping"), message)
+            )
         world_size = context.get("world_size")
         if world_size is not None:
             try:
@@ -113,6 +134,18 @@ class ZerolapConfig(DeepSpeedKeys):
         return problems
 
 
+def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:
+    """The ds_config as a dict, unvalidated: a JSON file read, or the caller's own dict (as
+    DeepSpeed keeps it: ``engine.config`` is the object the client passed)."""
+    source = "ds_config"
+    if isinstance(config, (str, os.PathLike)):
+        source = f"ds_config {os.fspath(config)}"
+        config = _read_json(Path(config))
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"{source} must be a JSON object; got {type(config).__name__}")
+    return config if isinstance(config, dict) else dict(config)
+
+
 def load_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: int) -> ZerolapConfig:
     """Parse and check a ds_config (a dict or the path of a JSON file) for ``world_size``
     data-parallel ranks. Raises ``ConfigError`` listing every problem, each by its dotted key."""
@@ -121,9 +154,7 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: in
     source = "ds_config"
     if isinstance(config, (str, os.PathLike)):
         source = f"ds_config {os.fspath(config)}"
-        config = _read_json(Path(config))
-    if not isinstance(config, Mapping):
-        raise ConfigError(f"{source} must be a JSON object; got {type(config).__name__}")
+    config = read_config(config)
     try:
         return ZerolapConfig.model_validate(config, context={"world_size": world_size})
     except ValidationError as error:

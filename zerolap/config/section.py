@@ -2,7 +2,8 @@
 
 Every section inherits these rules from ``ConfigSection``:
 
-* an unknown key is an error naming its dotted path and the nearest valid key;
+* an unknown key is an error naming its dotted path and the nearest valid key (at the top
+  level, where DeepSpeed tolerates them, a warning saying the same);
 * a key given in two spellings at once (``bf16`` and ``bfloat16``) is an error;
 * ``"auto"`` means "the default", as in DeepSpeed's own pydantic sections (the Hugging Face
   Trainer writes it for values it fills in);
@@ -72,6 +73,10 @@ class ConfigSection(BaseModel):
 
     auto_means_default: ClassVar[bool] = True
     """Drop ``"auto"`` values before validation (DeepSpeed does so in its pydantic sections)."""
+    unknown_key_is_error: ClassVar[bool] = True
+    """An unknown key fails validation; a section that tolerates them (the top level, as
+    DeepSpeed does) sets this false and ``extra="allow"``, and reports them with
+    ``unknown_keys()``."""
 
     @classmethod
     def key_spellings(cls) -> dict[str, list[str]]:
@@ -82,6 +87,16 @@ class ConfigSection(BaseModel):
     def config_key(cls, field_name: str) -> str:
         """The ds_config key of ``field_name`` (its DeepSpeed spelling)."""
         return _spellings(field_name, cls.model_fields[field_name])[0]
+
+    def unknown_keys(self) -> list[str]:
+        """Keys a tolerant section received but does not know, each with the nearest valid
+        key when one is close (``zero_optimisation (did you mean zero_optimization?)``)."""
+        valid = [key for keys in self.key_spellings().values() for key in keys]
+        out = []
+        for key in self.model_extra or {}:
+            suggestion = nearest_key(str(key), valid)
+            out.append(f"{key} (did you mean {suggestion}?)" if suggestion else str(key))
+        return out
 
     def unsupported_keys(self) -> list[str]:
         """Dotted keys set in this section (and those below) that zerolap does not implement."""
@@ -95,6 +110,22 @@ class ConfigSection(BaseModel):
             elif isinstance(value, ConfigSection):
                 keys += [f"{key}.{sub_key}" for sub_key in value.unsupported_keys()]
         return keys
+
+    def advice(self) -> list[str]:
+        """Warnings about values that load but do nothing where they are (an offload block at
+        a stage that cannot use it), as dotted keys with a reason, from this section and those
+        below; the engine logs them once."""
+        notes = [f"{', '.join(p.keys)}: {p.message}" for p in self._advise()]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, ConfigSection):
+                key = self.config_key(name)
+                notes += [f"{key}.{note}" for note in value.advice()]
+        return notes
+
+    def _advise(self) -> list[Problem]:
+        """This section's warnings (sections override); keys relative to the section."""
+        return []
 
     @classmethod
     def _rewrite_legacy(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +150,9 @@ class ConfigSection(BaseModel):
         if cls.auto_means_default:
             data = {key: value for key, value in data.items() if not _is_auto(value)}
         data = cls._rewrite_legacy(data)
-        problems = _unknown_keys(cls, data) + _double_spellings(cls, data)
+        problems = _double_spellings(cls, data)
+        if cls.unknown_key_is_error:
+            problems = _unknown_keys(cls, data) + problems
         if problems:
             raise problems_error(problems)
         return data

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 from pydantic import AliasChoices, Field, field_validator
 
 from zerolap.config.errors import Problem, problems_error
+from zerolap.config.leaf_module import LeafModuleConfig
 from zerolap.config.offload import OffloadOptimizerConfig, OffloadParamConfig
 from zerolap.config.section import ConfigSection, DeepSpeedOnly, is_set, is_true
 
@@ -85,6 +86,12 @@ class ZeroConfig(ConfigSection):
         ),
     )
     """Stage 3: gather full 16-bit weights when saving the model."""
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
+    """Stage 3: modules gathered whole with their subtree (mixture-of-experts blocks)."""
+    compute_grad_norm: bool = True
+    """Compute the global gradient norm at every step (for clipping and
+    ``engine.get_global_grad_norm()``); false saves its all-reduce and needs
+    ``gradient_clipping`` 0."""
     ignore_unused_parameters: bool = True
     """Tolerate parameters that get no gradient; false makes them an error."""
 
@@ -130,8 +137,6 @@ class ZeroConfig(ConfigSection):
     """DeepSpeed's internal stage-3 sanity checks."""
     save_muon_momentum_buffer_in_memory: Annotated[bool, DeepSpeedOnly()] = False
     """DeepSpeed keeps Muon's momentum in memory when swapping to NVMe."""
-    leaf_module: Annotated[dict[str, Any] | None, DeepSpeedOnly()] = None
-    """DeepSpeed's stage-3 leaf modules, fetched as one unit."""
     module_granularity_threshold: Annotated[int, DeepSpeedOnly()] = Field(
         0, validation_alias=_stage3("module_granularity_threshold")
     )
@@ -144,6 +149,9 @@ class ZeroConfig(ConfigSection):
         False, validation_alias=_stage3("allgather_sequential")
     )
     """DeepSpeed gathers stage-3 parameters one by one, without buckets."""
+    parameter_alignment: Annotated[bool, DeepSpeedOnly()] = False
+    """DeepSpeed aligns each parameter's start in its flat buffers; zerolap's layout is its own
+    and the results do not depend on it."""
     partition_stream_chunk_size: Annotated[int, DeepSpeedOnly()] = Field(
         0, ge=0, validation_alias=_stage3("partition_stream_chunk_size")
     )
@@ -173,16 +181,20 @@ class ZeroConfig(ConfigSection):
     def _check(self, context: Mapping[str, Any]) -> list[Problem]:
         if self.overlap_comm is None:
             self._set_derived("overlap_comm", self.stage == 3)
-        problems = []
-        stage = f"stage is {self.stage}"
+        return []
+
+    def _advise(self) -> list[Problem]:
+        # DeepSpeed loads these and ignores them; zerolap says so rather than failing a config
+        # that runs on DeepSpeed.
+        notes = []
+        ignored = f"ignored at stage {self.stage}"
         if self.offload_param is not None and self.offload_param.enabled and self.stage != 3:
-            message = f"parameter offload needs ZeRO stage 3; {stage}"
-            problems.append(Problem(("offload_param.device", "stage"), message))
+            notes.append(Problem(("offload_param",), f"{ignored}: parameter offload needs stage 3"))
         offload = self.offload_optimizer
         if offload is not None and offload.enabled and self.stage == 0:
-            message = f"optimizer offload needs ZeRO stage 1, 2 or 3; {stage}"
-            problems.append(Problem(("offload_optimizer.device", "stage"), message))
-        if offload is not None and offload.ratio < 1.0 and self.stage != 3:
-            message = f"partial optimizer offload (ratio < 1) needs ZeRO stage 3; {stage}"
-            problems.append(Problem(("offload_optimizer.ratio", "stage"), message))
-        return problems
+            message = f"{ignored}: optimizer offload needs stage 1, 2 or 3"
+            notes.append(Problem(("offload_optimizer",), message))
+        elif offload is not None and offload.ratio < 1.0 and self.stage != 3:
+            message = f"{ignored}: partial offload (ratio < 1) needs stage 3; all is offloaded"
+            notes.append(Problem(("offload_optimizer.ratio",), message))
+        return notes

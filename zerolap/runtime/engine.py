@@ -4,27 +4,36 @@ Data flows one way: the model's parameters are laid out in flat buckets (``zero.
 reducer's hooks move gradients into buckets and launch their collectives during backward
 (``zero.reducer``), the sharded optimizer steps on the owned elements and all-gathers the result
 (``zero.optimizer``). The stage decides which components are built (``zero.stages``), once.
+
+An engine without an optimizer (none passed to ``initialize`` and none in the ds_config, or a
+model with nothing to train) runs forward only: evaluation, prediction, and the reference,
+reward and EMA models of RLHF trainers. It builds no gradient buffers, reducer or optimizer;
+under stage 3 it still shards every parameter and gathers each module's just in time.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-import warnings
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
 
 import zerolap.comm as dist
+from zerolap.accelerator import get_accelerator
 from zerolap.config import ZerolapConfig
 from zerolap.runtime.loss_scaler import build_loss_scaler
 from zerolap.runtime.memory import MemoryBreakdown, measure_memory
 from zerolap.runtime.timers import WallClockBreakdown
+from zerolap.utils.logging import logger
 from zerolap.zero.fetcher import ParamFetcher
 from zerolap.zero.flat_params import FlatParams
 from zerolap.zero.grad_storage import FullGradients, ShardGradients
 from zerolap.zero.layout import build_layout, layout_from_groups
+from zerolap.zero.leaf_modules import apply_leaf_config
 from zerolap.zero.optimizer import ZeroOptimizer
+from zerolap.zero.param_access import ParamAccess
 from zerolap.zero.reducer import GradReducer
 from zerolap.zero.reductions import AllReduceBuckets, ReduceScatterBuckets, scale_factors
 from zerolap.zero.sharded_params import ShardedParams
@@ -32,7 +41,7 @@ from zerolap.zero.stages import plan_stage
 from zerolap.zero.status import is_sharded
 from zerolap.zero.units import plan_units
 
-__all__ = ["ZerolapEngine"]
+__all__ = ["DeepSpeedEngine", "ZerolapEngine"]
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -51,91 +60,117 @@ class ZerolapEngine(torch.nn.Module):
         config: ZerolapConfig,
         make_optimizer,
         make_scheduler,
+        ds_config: dict | None = None,
         group=None,
     ) -> None:
         super().__init__()
         self.module = module
-        self.config = config
+        self._config = config
+        # What clients read as ``engine.config``: the ds_config as given (DeepSpeed's engine
+        # keeps the dict it was passed; the Trainer reads engine.config["zero_optimization"]).
+        self.config = ds_config if ds_config is not None else config.model_dump(mode="json")
         self.group = group
         self.world_size = dist.get_world_size(group)
         self.global_rank = dist.get_rank()
         self.local_rank = dist.get_local_rank()
+        self.device = get_accelerator().device(self.local_rank)
         self.plan = plan_stage(
             config.zero_optimization.stage, reduce_scatter=config.zero_optimization.reduce_scatter
         )
         self._warn_unsupported()
         self._unshard_unmanaged()
-        self._cast_module()
+        self._place_module()
+        trains = make_optimizer is not None and bool(trainable_params(module))
+        if make_optimizer is not None and not trains:
+            logger.info("the model has no trainable parameter: the engine runs forward only")
         zero = config.zero_optimization
         self.units = None  # stage 3's fetch units (zero.units.UnitPlan)
         if self.plan.shard_params:
+            apply_leaf_config(module, zero.leaf_module)
             self.units = plan_units(
                 module,
                 persistence_threshold=zero.param_persistence_threshold,
                 model_persistence_threshold=zero.model_persistence_threshold,
                 bucket_numel=zero.reduce_bucket_size,
             )
-            self.params = self.units.params
+            self.params = self.units.trainable_params if trains else []
         else:
-            self.params = trainable_params(module)
-        if not self.params:
-            raise ValueError("the model has no parameter with requires_grad=True to train")
+            self.params = trainable_params(module) if trains else []
         self._check_one_dtype()
         self._build_buffers()
         self._broadcast_initial_state()
-        self._build_reducer()
+        self.reducer = self.grads = self.optimizer = self.lr_scheduler = None
+        if trains:
+            self._build_reducer()
         self.fetcher = self._build_fetcher() if self.plan.shard_params else None
         self.loss_scaler = build_loss_scaler(config.fp16)
-        self.optimizer = self._build_optimizer(make_optimizer(self.params))
-        if self.plan.shard_params:
-            self.param_store.after_write_back.append(self.optimizer.reload_master)
-        self.lr_scheduler = make_scheduler(self.optimizer.inner)
+        self._param_access = None
+        if trains:
+            self.optimizer = self._build_optimizer(make_optimizer(self.params))
+            if self.plan.shard_params:
+                self.param_store.after_write_back.append(self.optimizer.reload_master)
+            self.lr_scheduler = make_scheduler(self.optimizer.inner)
+            self._param_access = ParamAccess(self.optimizer, self.params)
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
         self._no_sync = False
+        self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
         self._cycle_fresh = True  # the next backward starts a new accumulation cycle
         # Who hears about phases (forward, backward, waits, optimizer): wall_clock_breakdown's
         # timers, profilers. Empty costs one loop over nothing per phase.
         self._phase_recorders: list = []
         if config.wall_clock_breakdown:
             self.add_phase_recorder(
-                WallClockBreakdown(steps_per_print=config.steps_per_print, rank=self.global_rank)
+                WallClockBreakdown(steps_per_print=config.print_interval, rank=self.global_rank)
             )
 
     # -- construction steps -------------------------------------------------------------------
 
     def _warn_unsupported(self) -> None:
-        keys = self.config.unsupported_keys()
-        if keys and self.global_rank == 0:
-            warnings.warn(
+        """One warning per kind of ds_config entry that loads but does nothing here."""
+        if self.global_rank != 0:
+            return
+        config = self._config
+        if keys := config.unknown_keys():
+            logger.warning(f"unknown ds_config keys, ignored: {', '.join(keys)}")
+        if keys := config.unsupported_keys():
+            logger.warning(
                 "zerolap does not implement these ds_config keys; they are accepted and have no "
-                f"effect: {', '.join(keys)}",
-                stacklevel=3,
+                f"effect: {', '.join(keys)}"
             )
+        for note in config.advice():
+            logger.warning(f"ds_config {note}")
 
     def _unshard_unmanaged(self) -> None:
-        """Parameters that ``zero.Init`` sharded but this engine will not manage (frozen ones,
-        or all of them below stage 3) become whole again."""
+        """Parameters that ``zero.Init`` sharded become whole again below stage 3, which does
+        not shard parameters."""
+        if self.plan.shard_params:
+            return
         for param in self.module.parameters():
-            if is_sharded(param) and not (self.plan.shard_params and param.requires_grad):
+            if is_sharded(param):
                 param.ds_owner.unshard(param)
 
-    def _cast_module(self) -> None:
-        dtype = _DTYPES[self.config.precision]
+    def _place_module(self) -> None:
+        """The model on the engine's device, in the training dtype (DeepSpeed moves it too)."""
+        dtype = _DTYPES[self._config.precision]
         if dtype != torch.float32:
             self.module.to(dtype)
+        self.module.to(self.device)
 
     def _check_one_dtype(self) -> None:
+        managed = self.units.params if self.units is not None else self.params
+        if not managed:
+            return
         names = {id(p): n for n, p in self.module.named_parameters()}
-        first = self.params[0]
-        for p in self.params:
+        first = managed[0]
+        for p in managed:
             if p.dtype != first.dtype or p.device != first.device:
                 raise ValueError(
                     f"parameter {names.get(id(p), '?')} is {p.dtype} on {p.device} but "
                     f"{names.get(id(first), '?')} is {first.dtype} on {first.device}: all "
-                    "trainable parameters must share one dtype and device"
+                    "parameters the engine manages must share one dtype and device"
                 )
 
     def _src_rank(self) -> int:
@@ -143,15 +178,34 @@ class ZerolapEngine(torch.nn.Module):
         return dist.get_global_rank(self.group, 0) if self.group is not None else 0
 
     def _build_buffers(self) -> None:
-        zero = self.config.zero_optimization
+        """``self.param_store``: the flat buffer of trainable parameters (stages 0-2) or every
+        parameter's shard (stage 3); ``self.layout``: what the reducer and optimizer address."""
+        zero = self._config.zero_optimization
         rank = dist.get_rank(self.group)
         native = dist.get_backend(self.group) == "nccl"
-        if self.units is None:
-            self.layout = build_layout(
-                [p.numel() for p in self.params],
-                bucket_numel=zero.reduce_bucket_size,
-                world_size=self.world_size,
+        if self.units is not None:
+            full = layout_from_groups(self.units.groups, world_size=self.world_size)
+            self.layout = full.prefix(self.units.trainable_buckets if self.params else 0)
+            self.param_store = ShardedParams(
+                self.units.params,
+                full,
+                self.units.persistent,
+                trainable_buckets=self.units.trainable_buckets,
+                dtype=self.units.params[0].dtype,
+                device=self.device,
+                group=self.group,
+                rank=rank,
+                src_rank=self._src_rank(),
+                native=native,
             )
+            return
+        self.layout = build_layout(
+            [p.numel() for p in self.params],
+            bucket_numel=zero.reduce_bucket_size,
+            world_size=self.world_size,
+        )
+        self.param_store = None
+        if self.params:
             self.param_store = FlatParams(
                 self.params,
                 self.layout,
@@ -160,33 +214,24 @@ class ZerolapEngine(torch.nn.Module):
                 native=native,
                 sharded=self.plan.shard_optimizer and self.world_size > 1,
             )
-            return
-        self.layout = layout_from_groups(self.units.groups, world_size=self.world_size)
-        first = self.params[0]
-        self.param_store = ShardedParams(
-            self.params,
-            self.layout,
-            self.units.persistent,
-            dtype=first.dtype,
-            device=first.device,
-            group=self.group,
-            rank=rank,
-            src_rank=self._src_rank(),
-            native=native,
-        )
 
     def _broadcast_initial_state(self) -> None:
         """Every rank starts from rank 0's weights and buffers, as DeepSpeed and DDP do (stage
         3's parameters were broadcast unit by unit as they were sharded)."""
         if self.world_size == 1:
             return
-        if self.units is None:
-            dist.broadcast(self.param_store.flat, src=self._src_rank(), group=self.group)
+        src = self._src_rank()
+        if isinstance(self.param_store, FlatParams):
+            dist.broadcast(self.param_store.flat, src=src, group=self.group)
+        managed = {id(p) for p in self.params}
+        for param in self.module.parameters():
+            if id(param) not in managed and not is_sharded(param):
+                dist.broadcast(param.data, src=src, group=self.group)
         for buffer in self.module.buffers():
-            dist.broadcast(buffer.data, src=self._src_rank(), group=self.group)
+            dist.broadcast(buffer.data, src=src, group=self.group)
 
     def _build_fetcher(self) -> ParamFetcher:
-        zero = self.config.zero_optimization
+        zero = self._config.zero_optimization
         return ParamFetcher(
             self.param_store,
             self.units.fetch,
@@ -199,7 +244,7 @@ class ZerolapEngine(torch.nn.Module):
 
     def _build_reducer(self) -> None:
         param_dtype = self.param_store.dtype
-        comm_dtype = self.config.communication_dtype or param_dtype
+        comm_dtype = self._config.communication_dtype or param_dtype
         device = self.param_store.device
         rank = dist.get_rank(self.group)
         if self.plan.shard_gradients:
@@ -212,8 +257,8 @@ class ZerolapEngine(torch.nn.Module):
             )
         pre, post = scale_factors(
             self.world_size,
-            predivide=self.config.gradient_predivide_factor,
-            prescale=self.config.prescale_gradients,
+            predivide=self._config.gradient_predivide_factor,
+            prescale=self._config.prescale_gradients,
         )
         if self.plan.reduce_scatter:
             native = dist.get_backend(self.group) == "nccl"
@@ -225,7 +270,7 @@ class ZerolapEngine(torch.nn.Module):
             self.layout,
             self.grads,
             reduction,
-            overlap=self.config.zero_optimization.overlap_comm,
+            overlap=self._config.zero_optimization.overlap_comm,
         )
 
     def _build_optimizer(self, inner: torch.optim.Optimizer) -> ZeroOptimizer:
@@ -249,8 +294,9 @@ class ZerolapEngine(torch.nn.Module):
             shard_numel=shard_numel,
             sharded=self.plan.shard_optimizer and self.world_size > 1,
             group=self.group,
-            clip=self.config.gradient_clipping,
+            clip=self._config.gradient_clipping,
             loss_scaler=self.loss_scaler,
+            compute_norm=self._config.zero_optimization.compute_grad_norm,
         )
 
     # -- training -----------------------------------------------------------------------------
@@ -266,6 +312,14 @@ class ZerolapEngine(torch.nn.Module):
         for recorder in self._phase_recorders:
             recorder.record(phase, start, end, compute)
 
+    def _require_optimizer(self, what: str) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(
+                f"engine.{what}() needs an optimizer, and this engine has none: initialize() got "
+                "no optimizer and the ds_config has no 'optimizer' section, or the model has no "
+                "trainable parameter. It runs forward only."
+            )
+
     def forward(self, *inputs, **kwargs):
         start = time.perf_counter()
         if self.fetcher is not None:
@@ -275,11 +329,26 @@ class ZerolapEngine(torch.nn.Module):
         return out
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-batch ends an accumulation cycle: its backward reduces and
+        ``step()`` updates. Counted from ``gradient_accumulation_steps`` unless
+        ``set_gradient_accumulation_boundary`` decided it."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
-    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> torch.Tensor:
-        """Scale ``loss`` (accumulation, fp16 loss scale), backpropagate, and reduce gradients
-        when this micro-batch is due to; returns ``loss`` unscaled."""
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Decide the boundary from outside, before each backward (Accelerate does, and calls
+        ``step()`` only at the boundary): the next backward reduces and the next ``step()``
+        updates exactly when ``is_boundary``, whatever ``gradient_accumulation_steps`` says."""
+        self._boundary = bool(is_boundary)
+
+    def backward(
+        self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True
+    ) -> torch.Tensor:
+        """Backpropagate ``loss`` (divided by ``gradient_accumulation_steps`` unless
+        ``scale_wrt_gas`` is false, and multiplied by the fp16 loss scale) and reduce gradients
+        when this micro-batch is due to. Returns the loss as divided, as DeepSpeed does."""
+        self._require_optimizer("backward")
         if self._cycle_fresh:
             self.reducer.begin_cycle()
             self._cycle_fresh = False
@@ -289,9 +358,9 @@ class ZerolapEngine(torch.nn.Module):
             self.is_gradient_accumulation_boundary() and not self._no_sync
         )
         self.reducer.begin_backward(reduce)
-        scale = self.loss_scaler.loss_scale / self.gradient_accumulation_steps()
+        gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         start = time.perf_counter()
-        (loss.float() * scale).backward(retain_graph=retain_graph)
+        (loss.float() * (self.loss_scaler.loss_scale / gas)).backward(retain_graph=retain_graph)
         autograd_end = time.perf_counter()
         self.reducer.finish_backward()
         if self.fetcher is not None:
@@ -299,7 +368,7 @@ class ZerolapEngine(torch.nn.Module):
         self._record("backward", start, autograd_end)
         self._record("backward_wait", autograd_end, time.perf_counter(), compute=False)
         self._expose_grads()
-        return loss
+        return loss / gas if scale_wrt_gas else loss
 
     def _expose_grads(self) -> None:
         """Full gradients all-reduced (stage 0, or stage 1 without reduce_scatter) are shown as
@@ -313,7 +382,9 @@ class ZerolapEngine(torch.nn.Module):
                 param.grad = grad.view_as(param)
 
     def step(self, lr_kwargs: dict | None = None) -> None:
-        """Call after every micro-batch; the optimizer runs at the accumulation boundary."""
+        """Call after every micro-batch (or, with ``set_gradient_accumulation_boundary``, at
+        the boundary only); the optimizer runs at the accumulation boundary."""
+        self._require_optimizer("step")
         if self.is_gradient_accumulation_boundary():
             for param in self.params:
                 param.grad = None
@@ -334,7 +405,15 @@ class ZerolapEngine(torch.nn.Module):
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._cycle_fresh = True
+            self._report_progress()
         self.micro_steps += 1
+
+    def _report_progress(self) -> None:
+        """Every ``steps_per_print`` optimizer steps, rank 0 logs where training is."""
+        interval = self._config.print_interval
+        if interval and self.global_steps % interval == 0 and self.global_rank == 0:
+            lrs = ", ".join(f"{lr:.3e}" for lr in self.get_lr())
+            logger.info(f"step={self.global_steps}, skipped={self.skipped_steps}, lr=[{lrs}]")
 
     def zero_grad(self) -> None:
         """Forget accumulated gradients; the next backward starts from zero."""
@@ -356,54 +435,144 @@ class ZerolapEngine(torch.nn.Module):
         finally:
             self._no_sync = previous
 
+    def destroy(self) -> None:
+        """Give the model back as it was before ``initialize``: every hook removed, stage-3
+        parameters whole again, and the engine's buffers, gradients and optimizer state
+        dropped. A collective under stage 3 (parameters are gathered): call on every rank."""
+        if self._param_access is not None:
+            self._param_access.detach(self.params)
+        if self.reducer is not None:
+            self.reducer.remove_hooks()
+        if self.fetcher is not None:
+            self.fetcher.remove_hooks()
+            self.param_store.unshard_all()
+        elif self.param_store is not None:
+            self.param_store.detach_params()
+        for param in self.module.parameters():
+            param.grad = None
+        self.reducer = self.grads = self.optimizer = self.lr_scheduler = None
+        self.fetcher = self.param_store = self._param_access = None
+        self.params = []
+        self._phase_recorders = []
+
     # -- DeepSpeed's accessors ----------------------------------------------------------------
 
     def train_batch_size(self) -> int:
-        return self.config.train_batch_size
+        return self._config.train_batch_size
 
     def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
+        return self._config.train_micro_batch_size_per_gpu
 
     def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
+        return self._config.gradient_accumulation_steps
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def zero_optimization(self) -> bool:
+        return self.plan.stage > 0
 
     def zero_optimization_stage(self) -> int:
         return self.plan.stage
 
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.plan.shard_gradients
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.plan.shard_params
+
+    def fp16_enabled(self) -> bool:
+        return self._config.precision == "fp16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self._config.precision == "bf16"
+
+    def communication_data_type(self) -> torch.dtype:
+        return self._config.communication_dtype or _DTYPES[self._config.precision]
+
+    def steps_per_print(self) -> int | None:
+        return self._config.print_interval
+
+    def wall_clock_breakdown(self) -> bool:
+        return self._config.wall_clock_breakdown
+
     def get_lr(self) -> list[float]:
+        self._require_optimizer("get_lr")
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        return self.optimizer.last_norm
+        return None if self.optimizer is None else self.optimizer.last_norm
 
     def was_step_applied(self) -> bool:
-        return self.optimizer.last_applied
+        return self.optimizer is not None and self.optimizer.last_applied
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True) -> str:
+    # -- checkpoints and state dicts ------------------------------------------------------------
+
+    def save_checkpoint(
+        self,
+        save_dir,
+        tag=None,
+        client_state=None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+    ) -> str:
         """Every rank writes its shard under ``save_dir/tag`` (default ``global_step<N>``);
         ``latest`` names the tag once all are complete. Call on all ranks."""
         from zerolap.checkpoint.engine_io import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag, client_state, save_latest)
+        return save_checkpoint(
+            self,
+            save_dir,
+            tag,
+            client_state,
+            save_latest=save_latest,
+            exclude_frozen=exclude_frozen_parameters,
+        )
 
     def load_checkpoint(
         self,
         load_dir,
         tag=None,
-        load_optimizer_states=True,
-        load_lr_scheduler_states=True,
-        load_module_only=False,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+        custom_load_fn=None,
     ):
-        """Resume from ``load_dir/tag`` (default: ``latest``), saved at any world size and
-        stage; returns ``(load_path, client_state)``. Call on all ranks."""
+        """Resume from ``load_dir/tag`` (default: ``latest``), saved by zerolap at any world
+        size and stage or by DeepSpeed 0.19 (stages 0-3); returns ``(load_path,
+        client_state)``, or ``(None, None)`` with a warning when ``load_dir`` holds no
+        ``latest`` and no tag was given. ``custom_load_fn(src=state_dict, dst=module)``
+        replaces the module's ``load_state_dict``. Call on all ranks."""
         from zerolap.checkpoint.engine_io import load_checkpoint
 
         return load_checkpoint(
-            self, load_dir, tag, load_optimizer_states, load_lr_scheduler_states, load_module_only
+            self,
+            load_dir,
+            tag,
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            custom_load_fn=custom_load_fn,
         )
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        return self.config.zero_optimization.gather_16bit_weights_on_model_save
+        return self._config.zero_optimization.gather_16bit_weights_on_model_save
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """The whole state dict in the training dtype, on CPU, on rank 0 (None on the others):
+        gathered one module at a time under stage 3. Call on every rank."""
+        if not self.plan.shard_params:
+            raise ValueError("_zero3_consolidated_16bit_state_dict needs ZeRO stage 3")
+        return self._consolidated_16bit_state_dict(exclude_frozen_parameters)
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False):
+        """``_zero3_consolidated_16bit_state_dict`` at any stage. Call on every rank."""
+        from zerolap.checkpoint.module_state import full_state_dict
+
+        state = full_state_dict(self.module, exclude_frozen=exclude_frozen_parameters)
+        return OrderedDict(state) if self.global_rank == 0 else None
 
     def save_16bit_model(
         self, save_dir, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters=False
@@ -416,10 +585,9 @@ class ZerolapEngine(torch.nn.Module):
 
         if self.units is not None and not self.zero_gather_16bit_weights_on_model_save():
             if self.global_rank == 0:
-                warnings.warn(
+                logger.warning(
                     "save_16bit_model did not save: under ZeRO stage 3 it needs "
-                    "zero_optimization.stage3_gather_16bit_weights_on_model_save: true",
-                    stacklevel=2,
+                    "zero_optimization.stage3_gather_16bit_weights_on_model_save: true"
                 )
             return False
         state = full_state_dict(self.module, exclude_frozen=exclude_frozen_parameters)
@@ -451,3 +619,6 @@ class ZerolapEngine(torch.nn.Module):
         except AttributeError:
             module = super().__getattr__("module")
             return getattr(module, name)
+
+
+DeepSpeedEngine = ZerolapEngine  # the name DeepSpeed scripts use in isinstance checks

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 import zerolap.comm as dist
-from zerolap.config import ConfigError, load_config
+from zerolap.config import ConfigError, load_config, read_config
 from zerolap.runtime.engine import ZerolapEngine
 from zerolap.runtime.lr_schedules import build_scheduler
 from zerolap.runtime.optimizers import build_optimizer
+from zerolap.utils.logging import logger
 
 __all__ = ["initialize"]
 
@@ -32,23 +31,23 @@ def _config_source(args, config, config_params):
 
 
 def _optimizer_factory(optimizer, model_parameters, cfg):
+    """What builds the optimizer over the engine's parameters; None when there is none to
+    build (no ``optimizer=`` and no ds_config ``optimizer``): the engine then runs forward
+    only."""
+    if optimizer is None and cfg.optimizer is None:
+        return None
+
     def make(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
         wanted = model_parameters if model_parameters is not None else params
         if isinstance(optimizer, torch.optim.Optimizer):
             if cfg.optimizer is not None and dist.get_rank() == 0:
-                warnings.warn(
+                logger.warning(
                     "the optimizer passed to initialize() overrides ds_config's "
-                    f"optimizer.type={cfg.optimizer.type}",
-                    stacklevel=4,
+                    f"optimizer.type={cfg.optimizer.type}"
                 )
             return optimizer
         if callable(optimizer):
             return optimizer(wanted)
-        if cfg.optimizer is None:
-            raise ConfigError(
-                "no optimizer: pass initialize(optimizer=...) or set "
-                "ds_config's optimizer {type, params}"
-            )
         return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, wanted)
 
     return make
@@ -100,8 +99,10 @@ def initialize(
     lr_scheduler)`` (the last two None when not asked for).
 
     ``optimizer`` and ``lr_scheduler`` may be instances or callables (called with the model
-    parameters and with the optimizer); given ones override the ds_config's. ``mpu`` and
-    ``mesh_param`` (model parallelism) are not supported yet and must be None.
+    parameters and with the optimizer); given ones override the ds_config's. With neither an
+    optimizer passed nor one in the ds_config, the engine runs forward only (evaluation,
+    reference models); ``engine.optimizer`` is then None. ``mpu`` and ``mesh_param`` (model
+    parallelism) are not supported yet and must be None.
     """
     if model is None:
         raise ValueError("initialize() needs model=")
@@ -117,11 +118,13 @@ def initialize(
             )
         dist.init_distributed(distributed_port=distributed_port, verbose=False)
     source = _config_source(args, config, config_params)
+    ds_config = read_config(source)
     cfg = load_config(source, world_size=dist.get_world_size())
     dist.configure(cfg.comms_logger)
     engine = ZerolapEngine(
         module=model,
         config=cfg,
+        ds_config=ds_config,
         make_optimizer=_optimizer_factory(optimizer, model_parameters, cfg),
         make_scheduler=_scheduler_factory(lr_scheduler, cfg),
     )

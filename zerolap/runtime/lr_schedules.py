@@ -19,15 +19,22 @@ fraction for i < W is log(i + 1) / log(W) ("log") or i / W ("linear"), and after
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Protocol
 
 import torch
 from torch.optim import Optimizer
 
 from zerolap.runtime.optimizers import reject_unknown_params
+from zerolap.utils.logging import logger
 
-__all__ = ["Scheduler", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", "build_scheduler"]
+__all__ = [
+    "VALID_LR_SCHEDULES",
+    "Scheduler",
+    "WarmupCosineLR",
+    "WarmupDecayLR",
+    "WarmupLR",
+    "build_scheduler",
+]
 
 WARMUP_TYPES = ("log", "linear")
 # torch.optim.lr_scheduler classes offered beside ours, by name.
@@ -225,14 +232,18 @@ def _per_group(optimizer: Optimizer, value: float | list[float], name: str) -> l
 
 def _warn_if_no_decay(total_num_steps: int, warmup_num_steps: int) -> None:
     if total_num_steps < warmup_num_steps:
-        warnings.warn(
-            f"total_num_steps {total_num_steps} is less than warmup_num_steps {warmup_num_steps}",
-            stacklevel=3,
+        logger.warning(
+            f"total_num_steps {total_num_steps} is less than warmup_num_steps {warmup_num_steps}"
         )
 
 
+VALID_LR_SCHEDULES = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]
+"""DeepSpeed's own schedules that zerolap implements (Accelerate checks a scheduler's class name
+against this list to tell DeepSpeed's schedules from torch's)."""
+
 # Ours, then torch's that are built from keyword parameters alone (LambdaLR and friends need
 # callables, ReduceLROnPlateau a metric in step()): DeepSpeed too falls back to torch's names.
+
 _SCHEDULERS: dict[str, type] = {
     cls.__name__.lower(): cls
     for cls in [WarmupLR, WarmupDecayLR, WarmupCosineLR]

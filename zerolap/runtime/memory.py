@@ -47,8 +47,13 @@ class MemoryBreakdown:
 
 
 def measure_memory(engine) -> MemoryBreakdown:
+    """The engine's model-state bytes on this rank. An engine without an optimizer holds no
+    gradients or optimizer state; below stage 3 it holds no flat buffer either (its parameters
+    are the model's own, counted here as whole)."""
+    store, grads, optimizer = engine.param_store, engine.grads, engine.optimizer
     numel = sum(full_numel(p) for p in engine.params)
-    param_bytes = torch.empty((), dtype=engine.param_store.dtype).element_size()
+    dtype = store.dtype if store is not None else next(engine.module.parameters()).dtype
+    param_bytes = torch.empty((), dtype=dtype).element_size()
     mixed = param_bytes < 4
     grad_bytes = 4 if engine.plan.shard_gradients else param_bytes
     stage, n = engine.plan.stage, engine.world_size
@@ -62,12 +67,12 @@ def measure_memory(engine) -> MemoryBreakdown:
         stage=stage,
         world_size=n,
         numel=numel,
-        params_bytes=engine.param_store.nbytes(),
-        grads_bytes=engine.grads.nbytes(),
-        master_bytes=engine.optimizer.master_bytes(),
-        optimizer_state_bytes=engine.optimizer.state_bytes(),
-        bucket_buffer_bytes=engine.grads.buffer_bytes(),
-        param_buffer_bytes=engine.param_store.buffer_bytes(),
+        params_bytes=store.nbytes() if store is not None else 0,
+        grads_bytes=grads.nbytes() if grads is not None else 0,
+        master_bytes=optimizer.master_bytes() if optimizer is not None else 0,
+        optimizer_state_bytes=optimizer.state_bytes() if optimizer is not None else 0,
+        bucket_buffer_bytes=grads.buffer_bytes() if grads is not None else 0,
+        param_buffer_bytes=store.buffer_bytes() if store is not None else 0,
         expected_bytes=formula(master=4 if mixed else 0),
         zero_formula_bytes=formula(master=4 if (mixed or stage > 0) else 0),
     )

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from zerolap.utils.logging import logger
+
 __all__ = ["WallClockBreakdown"]
 
 _SHOWN = (
@@ -35,7 +37,7 @@ class WallClockBreakdown:
         self.steps += 1
         if self.steps_per_print and self.steps % self.steps_per_print == 0:
             if self.rank == 0:
-                print(self.format(), flush=True)
+                logger.info(self.format())
             self.totals.clear()
 
     def means_ms(self) -> dict[str, float]:

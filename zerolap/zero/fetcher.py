@@ -9,7 +9,8 @@ Per module that needs units (``zero.units``):
   within ``stage3_max_reuse_distance`` elements; and, when autograd will run backward through
   the outputs, hook them so that the module's units are fetched again before its backward;
 * a unit is released in backward once every one of its parameters' gradients has been
-  accumulated (and handed to the reducer): ``finish_backward`` releases whatever is left.
+  accumulated (and handed to the reducer); a frozen unit, once the gradients of the module's
+  inputs are computed; ``finish_backward`` releases whatever is left.
 
 Prefetch keeps at most ``stage3_prefetch_bucket_size`` elements gathered ahead of use (or one
 unit, if that is larger) and never lets more than ``stage3_max_live_parameters`` elements be
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import math
 import time
-import warnings
 import zlib
 from dataclasses import asdict, dataclass
 
@@ -30,6 +30,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 import zerolap.comm as dist
+from zerolap.utils.logging import logger
 from zerolap.zero.fetch_trace import FetchTrace
 from zerolap.zero.sharded_params import ShardedParams
 from zerolap.zero.status import ParamStatus
@@ -74,15 +75,38 @@ class ParamFetcher:
         self.stats = FetchStats()
         self._prefetched: dict[int, None] = {}  # launched ahead, not yet used (ordered)
         self._checked = False
-        self._slots = [len(b.slots) for b in store.layout.buckets]
+        # Gradients expected per unit in a backward (frozen units expect none).
+        self._slots = [
+            sum(store.params[slot].requires_grad for slot in b.slots) for b in store.layout.buckets
+        ]
         self._due = list(self._slots)  # gradients still to arrive per unit in this backward
+        self._hooks: list = []  # every handle, so that remove_hooks() leaves the model bare
+        self._units_of: dict[torch.nn.Module, list[int]] = {}  # the lists the hooks read
         for module, units in fetch.items():
-            module.register_forward_pre_hook(self._pre_forward(units))
-            module.register_forward_hook(self._post_forward(units))
+            self._hook_module(module, list(units))
+        store.fetcher = self  # register_external_parameter finds the fetcher through a param
         for slot, param in enumerate(store.params):
             unit = store.layout.slots[slot].bucket
-            if not store.persistent[unit]:
-                param.register_post_accumulate_grad_hook(self._on_grad(unit))
+            if not store.persistent[unit] and param.requires_grad:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad(unit)))
+
+    def _hook_module(self, module: torch.nn.Module, units: list[int]) -> None:
+        self._units_of[module] = units
+        self._hooks += [
+            module.register_forward_pre_hook(self._pre_forward(units), with_kwargs=True),
+            module.register_forward_hook(self._post_forward(units)),
+        ]
+
+    def add_external(self, module: torch.nn.Module, param: torch.nn.Parameter) -> None:
+        """``module`` uses ``param`` from now on (``register_external_parameter``)."""
+        unit = self.store.unit_of[id(param)]
+        if self.store.persistent[unit]:
+            return
+        units = self._units_of.get(module)
+        if units is None:
+            self._hook_module(module, [unit])
+        elif unit not in units:
+            units.append(unit)
 
     # -- step boundaries ----------------------------------------------------------------------
 
@@ -122,6 +146,12 @@ class ParamFetcher:
         self.store.release_all()
         self.store.drop_buffers()
         self._prefetched.clear()
+
+    def remove_hooks(self) -> None:
+        """Take every module and parameter hook off the model (``engine.destroy()``)."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     # -- fetching -----------------------------------------------------------------------------
 
@@ -193,13 +223,11 @@ class ParamFetcher:
     def _warn_off_trace(self, unit: int) -> None:
         self.stats.trace_misses += 1
         if self.stats.trace_misses == 1:
-            warnings.warn(
+            logger.warning(
                 f"ZeRO stage 3: the modules ran in a different order from the recorded step "
                 f"(fetch {self.trace.position} was '{self.names[unit]}'); gathering on demand "
                 "for the rest of this step and recording the new order. Repeated changes of "
-                "order cost the prefetch; stats in engine.fetch_stats()",
-                RuntimeWarning,
-                stacklevel=4,
+                "order cost the prefetch; stats in engine.fetch_stats()"
             )
 
     def _keep(self, unit: int) -> bool:
@@ -214,12 +242,31 @@ class ParamFetcher:
     # -- hooks --------------------------------------------------------------------------------
 
     def _pre_forward(self, units: list[int]):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             self._fetch(units, backward=False)
             for unit in units:
                 self.store.holds[unit] += 1
+            frozen = [u for u in units if u >= self.store.trainable_buckets]
+            if frozen and torch.is_grad_enabled():
+                self._release_after_backward(frozen, (args, kwargs))
 
         return hook
+
+    def _release_after_backward(self, frozen: list[int], inputs) -> None:
+        """Frozen units get no gradient hook to say that the module's backward is over; the
+        gradients of its inputs do: once they are computed, the units gathered again for the
+        backward are released."""
+        needs_grad = [
+            t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        if needs_grad:
+            torch.autograd.graph.register_multi_grad_hook(
+                needs_grad, lambda grads: self._release(frozen), mode="all"
+            )
+
+    def _release(self, units: list[int]) -> None:
+        for unit in units:
+            self.store.release(unit)
 
     def _post_forward(self, units: list[int]):
         def hook(module, args, output):

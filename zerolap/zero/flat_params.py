@@ -29,6 +29,7 @@ class FlatParams:
         self.layout = layout
         self.group, self.rank, self.native = group, rank, native
         self.sharded = sharded  # whether the optimizer updates only this rank's chunks
+        self.params = params  # in layout slot order
         self.flat = torch.zeros(layout.numel, dtype=first.dtype, device=first.device)
         for slot, param in zip(layout.slots, params, strict=True):
             view = self.flat[slot.offset : slot.offset + slot.numel].view_as(param)
@@ -62,6 +63,13 @@ class FlatParams:
         ]
         for handle in handles:
             handle.wait()
+
+    def detach_params(self) -> None:
+        """Each parameter takes its own copy of its values and stops viewing the flat buffer
+        (``engine.destroy()``), which can then be freed."""
+        for slot, param in zip(self.layout.slots, self.params, strict=True):
+            param.data = self.flat[slot.offset : slot.offset + slot.numel].view_as(param).clone()
+        self.flat = self.flat[:0]
 
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()

@@ -23,7 +23,7 @@ import torch
 
 import zerolap.comm as dist
 from zerolap.zero.gathered import GatheredParameters
-from zerolap.zero.status import ParamStatus, is_sharded, mark
+from zerolap.zero.status import ParamStatus, is_sharded, mark, unmark
 
 __all__ = ["Init", "InitPartition"]
 
@@ -78,7 +78,7 @@ class InitPartition:
     def unshard(self, param: torch.nn.Parameter) -> None:
         """Make ``param`` an ordinary whole tensor again (frozen parameters under stage 3)."""
         param.data = self.full_value(param)
-        del param.ds_tensor, param.ds_status, param.ds_owner, param.ds_shape, param.ds_numel
+        unmark(param)
 
     def hold(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
         for param in params:

@@ -88,6 +88,14 @@ class FlatLayout:
     def shard_numel(self) -> int:
         return self.numel // self.world_size
 
+    def prefix(self, buckets: int) -> FlatLayout:
+        """The first ``buckets`` buckets and their parameters: the same flat offsets and shard
+        positions, so a component built on the prefix addresses the same memory (stage 3's
+        trainable units are the prefix its reducer and optimizer see)."""
+        kept = self.buckets[:buckets]
+        slots = tuple(s for s in self.slots if s.bucket < buckets)
+        return FlatLayout(slots, kept, self.world_size)
+
     def owned_ranges(self, rank: int) -> list[tuple[int, int]]:
         """Flat ``(start, end)`` of every chunk ``rank`` owns, in bucket order."""
         return [bucket.chunk(rank) for bucket in self.buckets]

@@ -51,6 +51,7 @@ class ZeroOptimizer:
         group,
         clip: float,
         loss_scaler,
+        compute_norm: bool = True,
     ) -> None:
         self.inner = inner
         self.layout = layout
@@ -59,6 +60,7 @@ class ZeroOptimizer:
         self.sharded = sharded
         self.group = group
         self.clip = clip
+        self.compute_norm = compute_norm  # false: no norm, so no clipping (checked at load)
         self.loss_scaler = loss_scaler
         groups = slot_groups(inner, params)
         self.runs = [r for r in layout.runs(owned_ranges, groups) if r.group >= 0]
@@ -136,12 +138,9 @@ class ZeroOptimizer:
                 self.loss_scaler.update_scale(True)
                 self.last_norm, self.last_applied = math.inf, False
                 return False
-        # One fused pass over the runs; squares summed in float64 across runs and ranks.
-        norms = torch._foreach_norm(grads) if grads else [self._zero]
-        squares = torch.stack([n.double() for n in norms]).pow(2).sum().reshape(1)
-        norm = math.sqrt(self._agree(squares, "sum")) / scale
+        norm = self._global_norm(grads, scale) if self.compute_norm else None
         divisor = scale
-        if self.clip > 0 and norm + 1e-6 > self.clip:
+        if self.clip > 0 and norm is not None and norm + 1e-6 > self.clip:
             divisor *= (norm + 1e-6) / self.clip
         for view, grad in zip(self.views, grads, strict=True):
             if divisor != 1.0:
@@ -152,10 +151,21 @@ class ZeroOptimizer:
             view.grad = None
         self.loss_scaler.update_scale(False)
         self.last_norm, self.last_applied = norm, True
-        if self.master is not None:
-            for run, pos in zip(self.runs, self.positions, strict=True):
-                self.store.owned_view(run, pos).copy_(self.master[pos : pos + run.end - run.start])
+        self.copy_master_to_params()
         return True
+
+    def _global_norm(self, grads: list[torch.Tensor], scale: float) -> float:
+        """One fused pass over the runs; squares summed in float64 across runs and ranks."""
+        norms = torch._foreach_norm(grads) if grads else [self._zero]
+        squares = torch.stack([n.double() for n in norms]).pow(2).sum().reshape(1)
+        return math.sqrt(self._agree(squares, "sum")) / scale
+
+    def copy_master_to_params(self) -> None:
+        """Mixed precision: the owned 16-bit parameter elements := the fp32 master's."""
+        if self.master is None:
+            return
+        for run, pos in zip(self.runs, self.positions, strict=True):
+            self.store.owned_view(run, pos).copy_(self.master[pos : pos + run.end - run.start])
 
     def publish(self) -> None:
         """Phase 6 (communication only): every rank receives the updated parameters."""

@@ -29,7 +29,7 @@ import torch
 import zerolap.comm as dist
 from zerolap.zero.gather import all_gather_bucket
 from zerolap.zero.layout import FlatLayout, OwnedRun
-from zerolap.zero.status import ParamStatus, mark
+from zerolap.zero.status import ParamStatus, mark, unmark
 
 __all__ = ["ShardedParams"]
 
@@ -78,6 +78,7 @@ class ShardedParams:
         layout: FlatLayout,
         persistent: list[bool],
         *,
+        trainable_buckets: int,
         dtype: torch.dtype,
         device: torch.device,
         group,
@@ -88,6 +89,7 @@ class ShardedParams:
         self.params = params  # in layout slot order
         self.layout = layout
         self.persistent = persistent
+        self.trainable_buckets = trainable_buckets
         self.group, self.rank, self.native = group, rank, native
         self.dtype, self.device = dtype, device
         self.itemsize = torch.empty((), dtype=dtype).element_size()
@@ -102,6 +104,7 @@ class ShardedParams:
         self.holds = [0] * len(layout.buckets)  # users that need the unit whole right now
         self.unit_of = {id(p): layout.slots[i].bucket for i, p in enumerate(params)}
         self.after_write_back: list[Callable[[], None]] = []  # e.g. reload the fp32 master
+        self.fetcher = None  # the ParamFetcher that gathers these units, once one is built
         for bucket in layout.buckets:
             self._adopt(bucket.index, src_rank)
 
@@ -138,9 +141,21 @@ class ShardedParams:
         if not from_init and dist.get_world_size(self.group) > 1:
             dist.broadcast(full, src=src_rank, group=self.group)  # rank 0's initial weights
         self._chunk_of(unit).copy_(self._own_part(unit, full))
+        for slot in bucket.slots:
+            self.params[slot].ds_tensor = self._own_elements(slot)
         self._attach(unit)
         if not self.persistent[unit]:
             self.release(unit)
+
+    def _own_elements(self, slot: int) -> torch.Tensor:
+        """The elements of parameter ``slot`` that this rank's shard holds (a view)."""
+        place = self.layout.slots[slot]
+        start, end = self.layout.buckets[place.bucket].chunk(self.rank)
+        lo, hi = max(start, place.offset), min(end, place.offset + place.numel)
+        if lo >= hi:
+            return self.shard[:0]
+        at = self.layout.shard_position(place.bucket, lo)
+        return self.shard[at : at + hi - lo]
 
     # -- gather / release ---------------------------------------------------------------------
 
@@ -240,13 +255,31 @@ class ShardedParams:
         """The shard elements of ``run``, which starts at ``shard_pos`` of this rank's shard."""
         return self.shard[shard_pos : shard_pos + run.end - run.start]
 
-    def publish(self) -> None:
+    def publish(self, *, frozen_too: bool = False) -> None:
         """After a step: gathered copies are stale. Sharded units are released (the next use
-        gathers the new values); persistent ones are all-gathered again, all in flight."""
+        gathers the new values); persistent trainable ones are all-gathered again, all in
+        flight (frozen ones did not change, unless a checkpoint was loaded: ``frozen_too``)."""
         self.release_all()
-        handles = [self._launch_gather(u) for u, keep in enumerate(self.persistent) if keep]
+        last = len(self.persistent) if frozen_too else self.trainable_buckets
+        handles = [
+            self._launch_gather(unit) for unit, keep in enumerate(self.persistent[:last]) if keep
+        ]
         for handle in handles:
             handle.wait()
+
+    def unshard_all(self) -> None:
+        """Every parameter becomes an ordinary whole tensor again (``engine.destroy()``): one
+        unit gathered at a time, its parameters given their own copies, the store emptied."""
+        for unit, bucket in enumerate(self.layout.buckets):
+            self.holds[unit] = 0
+            self.wait(unit)
+            for slot in bucket.slots:
+                param = self.params[slot]
+                param.data = param.data.clone()
+                unmark(param)
+            self.full[unit] = self._unallocated(0)
+        self._pool.clear()
+        self.shard = self.shard[:0]
 
     def write_back(self, units: list[int], src_rank: int) -> None:
         """``src_rank`` changed the gathered values of ``units``: every rank takes them and

@@ -1,0 +1,118 @@
+"""One parameter's full fp32 value, gradient and optimizer state, wherever its shards live.
+
+DeepSpeed's ``safe_get_full_fp32_param``, ``safe_get_full_grad``,
+``safe_get_full_optimizer_state`` and their setters take only the parameter; the engine hangs a
+weak reference to its ``ParamAccess`` on each trainable parameter (``param.ds_access``) so they
+can find the shards.
+
+A parameter's elements are the flat range ``[offset, offset + numel)``. Each rank holds the
+optimizer runs it owns (``zero.layout``); a full value is assembled from the owned pieces into a
+zero tensor and summed over the data-parallel group, so every element comes from its one
+owner (stage 0 owns everything: no communication). The getters are collectives whenever the
+optimizer is sharded, and so are the setters (the updated parameter is published to every
+rank): call them on every rank, as in DeepSpeed.
+
+Gradients are those accumulated since the last step (valid between ``backward`` and ``step``),
+returned unscaled: the average over ranks of the loss's gradient, divided by the accumulation
+steps as ``backward`` divides the loss.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+import zerolap.comm as dist
+
+__all__ = ["ParamAccess", "access_of"]
+
+
+class ParamAccess:
+    def __init__(self, optimizer, params: list[torch.nn.Parameter]) -> None:
+        self.optimizer = optimizer
+        self.slot_of = {id(p): slot for slot, p in enumerate(params)}
+        ref = weakref.ref(self)
+        for param in params:
+            param.ds_access = ref
+
+    def detach(self, params) -> None:
+        for param in params:
+            if hasattr(param, "ds_access"):
+                del param.ds_access
+
+    def _pieces(self, param):
+        """(run index, offset in the run, offset in the parameter, count) of each owned piece."""
+        layout = self.optimizer.layout
+        place = layout.slots[self.slot_of[id(param)]]
+        start, end = place.offset, place.offset + place.numel
+        for i, run in enumerate(self.optimizer.runs):
+            lo, hi = max(start, run.start), min(end, run.end)
+            if lo < hi:
+                yield i, lo - run.start, lo - start, hi - lo
+
+    def _assemble(self, param, source) -> torch.Tensor | None:
+        """The parameter's elements from ``source(run index)`` (a tensor per run, or None),
+        summed over the ranks that share the optimizer."""
+        opt = self.optimizer
+        out = torch.zeros(param.ds_numel if hasattr(param, "ds_numel") else param.numel())
+        found = False
+        for i, run_at, param_at, count in self._pieces(param):
+            tensor = source(i)
+            if tensor is not None:
+                out[param_at : param_at + count] = tensor[run_at : run_at + count].float().cpu()
+                found = True
+        if opt.sharded:
+            dist.all_reduce(out, group=opt.group)
+            flag = torch.tensor([float(found)])
+            dist.all_reduce(flag, op="max", group=opt.group)
+            found = flag.item() > 0
+        shape = param.ds_shape if hasattr(param, "ds_shape") else param.shape
+        return out.view(shape) if found else None
+
+    def fp32_value(self, param) -> torch.Tensor:
+        return self._assemble(param, lambda i: self.optimizer.views[i])
+
+    def grad(self, param) -> torch.Tensor | None:
+        opt = self.optimizer
+        grads = [
+            opt.grads.view(r.start, r.end, pos)
+            for r, pos in zip(opt.runs, opt.positions, strict=True)
+        ]
+        full = self._assemble(param, lambda i: grads[i])
+        return None if full is None else full / opt.loss_scaler.loss_scale
+
+    def optimizer_state(self, param, key: str) -> torch.Tensor | None:
+        opt = self.optimizer
+        state = opt.inner.state
+
+        def source(i):
+            value = state.get(opt.views[i], {}).get(key)
+            return value if isinstance(value, torch.Tensor) and value.dim() == 1 else None
+
+        return self._assemble(param, source)
+
+    def set_fp32_value(self, param, value: torch.Tensor) -> None:
+        flat = value.detach().reshape(-1)
+        with torch.no_grad():
+            for i, run_at, param_at, count in self._pieces(param):
+                piece = flat[param_at : param_at + count]
+                self.optimizer.views[i][run_at : run_at + count].copy_(piece)
+        self.optimizer.copy_master_to_params()
+        self.optimizer.publish()
+
+    def set_optimizer_state(self, param, value: torch.Tensor, key: str) -> None:
+        opt = self.optimizer
+        flat = value.detach().reshape(-1)
+        with torch.no_grad():
+            for i, run_at, param_at, count in self._pieces(param):
+                state = opt.inner.state.get(opt.views[i], {})
+                if key not in state:
+                    raise KeyError(f"optimizer state has no {key!r} (has {sorted(state)})")
+                state[key][run_at : run_at + count].copy_(flat[param_at : param_at + count])
+
+
+def access_of(param: torch.Tensor) -> ParamAccess | None:
+    """The ``ParamAccess`` of the engine training ``param``, or None."""
+    ref = getattr(param, "ds_access", None)
+    return ref() if ref is not None else None
