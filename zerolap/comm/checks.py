@@ -6,6 +6,8 @@ raise first, naming the op, the tensor and the sizes, so the process group stays
 
 from __future__ import annotations
 
+import math
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -13,7 +15,16 @@ import torch.distributed as torch_dist
 
 from zerolap.comm.groups import backend_of, group_ranks, require_initialized
 
-__all__ = ["GroupInfo", "check_group", "check_peer", "check_tensor", "check_tensor_list"]
+__all__ = [
+    "GroupInfo",
+    "check_group",
+    "check_list",
+    "check_peer",
+    "check_root_list",
+    "check_splits",
+    "check_tensor",
+    "check_tensor_list",
+]
 
 
 class GroupInfo:
@@ -27,6 +38,12 @@ class GroupInfo:
         self.size = len(self.ranks)
         self.rank = torch_dist.get_rank(group) if group is not None else torch_dist.get_rank()
         self.backend = backend_of(group)
+
+    def device(self) -> torch.device:
+        """Where the group's own buffers (sizes, pickled objects, barriers) live."""
+        if self.backend == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
 
     def describe(self, op: str) -> str:
         return (
@@ -77,6 +94,7 @@ def check_tensor_list(
     op: str, name: str, tensors: Sequence[torch.Tensor], like: torch.Tensor, info: GroupInfo
 ) -> None:
     """``tensors`` holds one tensor per group rank, each with ``like``'s numel and dtype."""
+    check_list(op, name, tensors)
     if len(tensors) != info.size:
         raise ValueError(
             f"{op}: {name} has {len(tensors)} tensors but the group has {info.size} ranks"
@@ -116,3 +134,69 @@ def check_peer(op: str, role: str, peer: int, info: GroupInfo, *, allow_self: bo
         raise ValueError(f"{op}: {role}={peer} is not a member of group ranks {info.ranks}")
     if not allow_self and peer == torch_dist.get_rank():
         raise ValueError(f"{op}: {role}={peer} is this rank itself")
+
+
+def check_list(
+    op: str, name: str, value: object, length: int | None = None, *, filled: bool = False
+) -> None:
+    """``value`` is a list (or tuple), of ``length`` entries when given (one per group rank);
+    a list the op ``filled`` in place cannot be a tuple."""
+    if not isinstance(value, list if filled else (list, tuple)):
+        raise TypeError(f"{op}: {name} must be a list, got {type(value).__name__}")
+    if length is not None and len(value) != length:
+        raise ValueError(f"{op}: {name} has {len(value)} entries but the group has {length} ranks")
+
+
+def check_root_list(
+    op: str, name: str, value: object, role: str, root: int, info: GroupInfo
+) -> bool:
+    """Rooted ops (gather, scatter) take a per-rank list on the root only, as torch does.
+    Returns whether this rank is the root, where ``value`` is required (the caller checks its
+    entries); elsewhere it must be None or empty."""
+    is_root = torch_dist.get_rank() == root
+    if is_root and value is None:
+        raise ValueError(
+            f"{op}: this rank is the {role} ({role}={root}) and must pass {name}, one entry per "
+            f"group rank ({info.size})"
+        )
+    empty = value is None or (isinstance(value, (list, tuple)) and len(value) == 0)
+    if not is_root and not empty:
+        raise ValueError(
+            f"{op}: {name} is given on rank {torch_dist.get_rank()}, which is not the {role} "
+            f"({role}={root}); pass it on the {role} only"
+        )
+    return is_root
+
+
+def rows_of(op: str, name: str, tensor: torch.Tensor) -> tuple[int, int]:
+    """``tensor``'s rows (dim 0) and the elements in each row."""
+    if tensor.dim() == 0:
+        raise ValueError(f"{op}: {name} is a 0-dim tensor; it needs a dim 0 to split along")
+    return tensor.shape[0], math.prod(tensor.shape[1:])
+
+
+def check_splits(
+    op: str, name: str, splits: Sequence[int] | None, tensor_name: str, rows: int, n: int
+) -> list[int]:
+    """Rows of a tensor of ``rows`` rows going to (or coming from) each of ``n`` group ranks:
+    ``splits`` when given, else an even split."""
+    if splits is None:
+        if rows % n:
+            raise ValueError(
+                f"{op}: {tensor_name} has {rows} rows (dim 0), which do not split evenly over "
+                f"{n} ranks; pass {name}"
+            )
+        return [rows // n] * n
+    check_list(op, name, splits, n)
+    try:
+        sizes = [operator.index(s) for s in splits]
+    except TypeError:
+        raise TypeError(f"{op}: {name}={list(splits)} must hold ints") from None
+    if any(s < 0 for s in sizes):
+        raise ValueError(f"{op}: {name}={sizes} has a negative size")
+    if sum(sizes) != rows:
+        raise ValueError(
+            f"{op}: {name}={sizes} sums to {sum(sizes)} rows but {tensor_name} has {rows} rows "
+            "(dim 0)"
+        )
+    return sizes

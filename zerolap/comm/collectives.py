@@ -56,35 +56,46 @@ Group = torch_dist.ProcessGroup | None
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); older releases have only
 # the old names.
-_all_gather_flat = getattr(torch_dist, "all_gather_single", None) or (
+all_gather_flat = getattr(torch_dist, "all_gather_single", None) or (
     torch_dist.all_gather_into_tensor
 )
-_reduce_scatter_flat = getattr(torch_dist, "reduce_scatter_single", None) or (
+reduce_scatter_flat = getattr(torch_dist, "reduce_scatter_single", None) or (
     torch_dist.reduce_scatter_tensor
 )
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
+def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _launch(
+def launch(
     op: str,
     info: GroupInfo,
-    message: torch.Tensor,
+    message: torch.Tensor | None,
     start: Callable[[], torch_dist.Work],
     async_op: bool,
     *,
     message_bytes: int | None = None,
+    wire_bytes: int | None = None,
     root: int | None = None,
     value: object = None,
     finalize: Callable[[], None] | None = None,
 ) -> Handle | object:
+    """Open ``op``'s log record, call ``start`` (which launches the backend op asynchronously)
+    and wrap its work in a ``Handle``; wait here unless ``async_op``. The record's message is
+    ``message``'s bytes unless ``message_bytes`` is given (0 with no message, as for a barrier),
+    its wire bytes ``ring_wire_bytes`` of that unless ``wire_bytes`` is given. Shared by every op
+    module of ``zerolap.comm``."""
     record = None
     if COMMS_LOGGER.enabled:
-        size = _nbytes(message) if message_bytes is None else message_bytes
-        wire = ring_wire_bytes(op, size, info.size, group_rank=info.rank, root=root)
-        record = COMMS_LOGGER.start(op, size, wire, info.size, message.device)
+        size = message_bytes
+        if size is None:
+            size = 0 if message is None else nbytes(message)
+        wire = wire_bytes
+        if wire is None:
+            wire = ring_wire_bytes(op, size, info.size, group_rank=info.rank, root=root)
+        device = info.device() if message is None else message.device
+        record = COMMS_LOGGER.start(op, size, wire, info.size, device)
     handle = Handle(
         start(), lambda: info.describe(op), value=value, finalize=finalize, record=record
     )
@@ -106,7 +117,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Group = None, async
     op = parse_reduce_op(op)
     check_avg_dtype(op, tensor, "tensor")
     native = native_op(op, info.backend)
-    return _launch(
+    return launch(
         "all_reduce",
         info,
         tensor,
@@ -120,7 +131,7 @@ def broadcast(tensor: torch.Tensor, src: int, group: Group = None, async_op=Fals
     info = check_group("broadcast", group)
     check_tensor("broadcast", "tensor", tensor, info)
     check_peer("broadcast", "src", src, info)
-    return _launch(
+    return launch(
         "broadcast",
         info,
         tensor,
@@ -141,7 +152,7 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Group = None,
     # NCCL writes only the root's buffer; gloo scribbles partial sums on the others.
     target = tensor if is_dst or info.backend == "nccl" else tensor.clone()
     native = native_op(op, info.backend)
-    return _launch(
+    return launch(
         "reduce",
         info,
         tensor,
@@ -168,13 +179,13 @@ def all_gather(
     else:
         check_tensor("all_gather", "tensor", tensor, info)
         check_tensor_list("all_gather", "tensor_list", tensor_list, tensor, info)
-    return _launch(
+    return launch(
         "all_gather",
         info,
         tensor,
         lambda: torch_dist.all_gather(tensor_list, tensor, group=group, async_op=True),
         async_op,
-        message_bytes=_nbytes(tensor) * info.size,
+        message_bytes=nbytes(tensor) * info.size,
         value=tensor_list if returns_list else None,
     )
 
@@ -197,11 +208,11 @@ def all_gather_into_tensor(
         info.size,
         gathers=True,
     )
-    return _launch(
+    return launch(
         op,
         info,
         output_tensor,
-        lambda: _all_gather_flat(output_tensor, input_tensor, group, async_op=True),
+        lambda: all_gather_flat(output_tensor, input_tensor, group, async_op=True),
         async_op,
     )
 
@@ -219,13 +230,13 @@ def reduce_scatter(
     op = parse_reduce_op(op)
     check_avg_dtype(op, output, "output")
     native = native_op(op, info.backend)
-    return _launch(
+    return launch(
         "reduce_scatter",
         info,
         output,
         lambda: torch_dist.reduce_scatter(output, list(input), native, group=group, async_op=True),
         async_op,
-        message_bytes=_nbytes(output) * info.size,
+        message_bytes=nbytes(output) * info.size,
         finalize=_divider(output, op, info),
     )
 
@@ -242,11 +253,11 @@ def reduce_scatter_tensor(
     op = parse_reduce_op(op)
     check_avg_dtype(op, output, "output")
     native = native_op(op, info.backend)
-    return _launch(
+    return launch(
         name,
         info,
         input,
-        lambda: _reduce_scatter_flat(output, input, native, group, async_op=True),
+        lambda: reduce_scatter_flat(output, input, native, group, async_op=True),
         async_op,
         finalize=_divider(output, op, info),
     )
@@ -256,7 +267,7 @@ def isend(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> 
     info = check_group("isend", group)
     check_tensor("isend", "tensor", tensor, info)
     check_peer("isend", "dst", dst, info, allow_self=False)
-    return _launch(  # type: ignore[return-value]
+    return launch(  # type: ignore[return-value]
         "isend", info, tensor, lambda: torch_dist.isend(tensor, dst, group=group, tag=tag), True
     )
 
@@ -265,7 +276,7 @@ def irecv(tensor: torch.Tensor, src: int, group: Group = None, tag: int = 0) -> 
     info = check_group("irecv", group)
     check_tensor("irecv", "tensor", tensor, info)
     check_peer("irecv", "src", src, info, allow_self=False)
-    return _launch(  # type: ignore[return-value]
+    return launch(  # type: ignore[return-value]
         "irecv", info, tensor, lambda: torch_dist.irecv(tensor, src, group=group, tag=tag), True
     )
 
@@ -287,5 +298,5 @@ def recv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag:
         works.append(torch_dist.irecv(tensor, None, group=group, tag=tag))  # from any source
         return works[0]
 
-    _launch("irecv", info, tensor, start, True).wait()
+    launch("irecv", info, tensor, start, True).wait()
     return works[0]._source_rank()

@@ -16,14 +16,16 @@ from zerolap.comm.env import discover_launch_env
 
 __all__ = [
     "DEFAULT_TIMEOUT",
-    "barrier",
     "destroy_process_group",
+    "get_all_ranks_from_group",
     "get_backend",
     "get_global_rank",
     "get_local_rank",
     "get_rank",
+    "get_world_group",
     "get_world_size",
     "init_distributed",
+    "is_available",
     "is_initialized",
     "new_group",
 ]
@@ -33,7 +35,7 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 _local_rank = 0
 
 
-def _as_timedelta(timeout: timedelta | float | int) -> timedelta:
+def as_timedelta(timeout: timedelta | float | int) -> timedelta:
     return timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
 
 
@@ -74,7 +76,7 @@ def init_distributed(
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(launch.local_rank)
-    timeout = _as_timedelta(timeout)
+    timeout = as_timedelta(timeout)
     if launch.world_size == 1 and init_method is None:
         # A job of one needs no rendezvous: an in-memory store cannot hang on a port.
         torch_dist.init_process_group(
@@ -95,6 +97,11 @@ def init_distributed(
             f"(launcher: {launch.launcher}, rendezvous {launch.master_addr}:{launch.master_port})",
             flush=True,
         )
+
+
+def is_available() -> bool:
+    """Whether this torch was built with ``torch.distributed`` (the comm package can work)."""
+    return torch_dist.is_available()
 
 
 def is_initialized() -> bool:
@@ -140,10 +147,28 @@ def get_backend(group: torch_dist.ProcessGroup | None = None) -> str:
     return backend_of(group)
 
 
-def get_global_rank(group: torch_dist.ProcessGroup | None, group_rank: int) -> int:
+def get_global_rank(group: torch_dist.ProcessGroup | None = None, group_rank: int = 0) -> int:
     """The global rank of ``group``'s member number ``group_rank``."""
     require_initialized("get_global_rank")
-    return group_ranks(group)[group_rank]
+    ranks = group_ranks(group)
+    if not 0 <= group_rank < len(ranks):
+        raise ValueError(
+            f"get_global_rank: group_rank={group_rank} is outside group ranks 0..{len(ranks) - 1}"
+        )
+    return ranks[group_rank]
+
+
+def get_all_ranks_from_group(group: torch_dist.ProcessGroup | None = None) -> list[int]:
+    """The global ranks of ``group`` (the whole job when None), in group-rank order."""
+    require_initialized("get_all_ranks_from_group")
+    return group_ranks(group)
+
+
+def get_world_group() -> torch_dist.ProcessGroup:
+    """The process group of the whole job (torch's ``group.WORLD``), to pass or compare as
+    ``group=``."""
+    require_initialized("get_world_group")
+    return torch_dist.group.WORLD
 
 
 def new_group(ranks: list[int] | None = None, **kwargs) -> torch_dist.ProcessGroup:
@@ -157,11 +182,6 @@ def new_group(ranks: list[int] | None = None, **kwargs) -> torch_dist.ProcessGro
         if len(set(ranks)) != len(ranks):
             raise ValueError(f"new_group: ranks {ranks} repeat a rank")
     return torch_dist.new_group(ranks, **kwargs)
-
-
-def barrier(group: torch_dist.ProcessGroup | None = None) -> None:
-    require_initialized("barrier")
-    torch_dist.barrier(group)
 
 
 def destroy_process_group(group: torch_dist.ProcessGroup | None = None) -> None:

@@ -17,7 +17,8 @@ from __future__ import annotations
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +27,18 @@ import torch.distributed as torch_dist
 from zerolap.comm.volume import bus_factor
 from zerolap.config.comms_logger import CommsLoggerConfig
 
-__all__ = ["COMMS_LOGGER", "CommRecord", "CommsLogger", "configure", "log_summary", "reset_log"]
+__all__ = [
+    "COMMS_LOGGER",
+    "CommRecord",
+    "CommsLogger",
+    "configure",
+    "get_comm_operation_count",
+    "get_logged_comm_ops",
+    "has_comm_data",
+    "log_summary",
+    "logged",
+    "reset_log",
+]
 
 
 @dataclass(slots=True)
@@ -184,6 +196,38 @@ def configure(
 
 def reset_log() -> None:
     COMMS_LOGGER.reset()
+
+
+@contextmanager
+def logged(op: str, group_size: int, device: torch.device) -> Iterator[CommRecord | None]:
+    """One record around a synchronous op made of several backend calls (the object
+    collectives, ``monitored_barrier``), closed when the block ends. Yields the record, or None
+    when the op is not logged; the caller fills in its byte counts once it knows them."""
+    record = COMMS_LOGGER.start(op, 0, 0, group_size, device) if COMMS_LOGGER.enabled else None
+    try:
+        yield record
+    finally:
+        if record is not None:
+            COMMS_LOGGER.finish(record)
+
+
+def _completed_ops() -> list[str]:
+    return [record.op for record in COMMS_LOGGER.records if record.closed]
+
+
+def has_comm_data() -> bool:
+    """Whether the comms logger has recorded a completed op since the last ``reset_log``."""
+    return bool(_completed_ops())
+
+
+def get_comm_operation_count() -> int:
+    """Completed ops recorded since the last ``reset_log``, over all op names and sizes."""
+    return len(_completed_ops())
+
+
+def get_logged_comm_ops() -> list[str]:
+    """The names of the ops recorded since the last ``reset_log``, in order of first use."""
+    return list(dict.fromkeys(_completed_ops()))
 
 
 def _straggler_ms(summary: dict) -> dict[tuple[str, int], float]:
