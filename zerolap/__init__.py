@@ -1,10 +1,11 @@
 """zerolap: ZeRO-sharded data-parallel training for PyTorch, DeepSpeed-compatible.
 
 ``import zerolap as deepspeed`` gives the names a DeepSpeed training script uses:
-``initialize``, ``init_distributed``, ``add_config_arguments``, ``comm`` and ``zero``.
+``initialize``, ``init_distributed``, ``add_config_arguments``, ``comm``, ``zero`` and
+``checkpointing``.
 """
 
-from zerolap import comm, zero
+from zerolap import checkpointing, comm, zero
 from zerolap.comm import init_distributed
 from zerolap.config import add_config_arguments
 from zerolap.runtime.engine import ZerolapEngine
@@ -19,6 +20,7 @@ __all__ = [
     "ZerolapEngine",
     "__version__",
     "add_config_arguments",
+    "checkpointing",
     "comm",
     "init_distributed",
     "initialize",
