@@ -8,7 +8,17 @@ DeepSpeed's module paths (``zerolap.aliases``).
 
 import sys
 
-from zerolap import accelerator, aliases, checkpoint, comm, ops, runtime, utils, zero
+from zerolap import (
+    accelerator,
+    aliases,
+    checkpoint,
+    checkpointing,
+    comm,
+    ops,
+    runtime,
+    utils,
+    zero,
+)
 from zerolap.accelerator import get_accelerator
 from zerolap.comm import init_distributed
 from zerolap.config import ConfigError, add_config_arguments

@@ -12,7 +12,6 @@ ACCEPTED = {
     "wandb": {"enabled": True, "project": "p"},
     "csv_monitor": {"enabled": True},
     "comet": {"enabled": True},
-    "activation_checkpointing": {"partition_activations": True},
     "aio": {"block_size": 1048576},
     "autotuning": {"enabled": True},
     "checkpoint": {"tag_validation": "Warn"},

@@ -8,6 +8,7 @@ import pytest
 
 from tests.config.helpers import load, load_error
 from zerolap.config import (
+    ActivationCheckpointingConfig,
     CommsLoggerConfig,
     ConfigError,
     FP16Config,
@@ -17,7 +18,7 @@ from zerolap.config import (
 )
 
 # A ZeRO-3 config as found in the wild: fp16 with dynamic loss scaling, offload, stage-3 knobs,
-# and DeepSpeed features zerolap does not have (profiler, monitors, activation checkpointing).
+# activation checkpointing, and DeepSpeed features zerolap does not have (profiler, monitors).
 REAL_WORLD = {
     "train_batch_size": 64,
     "train_micro_batch_size_per_gpu": 4,
@@ -84,7 +85,6 @@ def test_real_world_config_loads_and_names_what_zerolap_ignores():
     assert config.unsupported_keys() == [
         "flops_profiler",
         "tensorboard",
-        "activation_checkpointing",
         "zero_allow_untested_optimizer",
     ]
     assert config.precision == "fp16" and config.fp16.loss_scale == 0
@@ -101,6 +101,7 @@ def test_components_receive_typed_sections():
     assert isinstance(config.zero_optimization, ZeroConfig)
     assert isinstance(config.fp16, FP16Config)
     assert isinstance(config.comms_logger, CommsLoggerConfig)
+    assert isinstance(config.activation_checkpointing, ActivationCheckpointingConfig)
 
 
 def test_defaults_follow_deepspeed():

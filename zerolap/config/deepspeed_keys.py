@@ -68,8 +68,6 @@ class DeepSpeedKeys(ConfigSection):
     """DeepSpeed's logger level."""
 
     # Features zerolap does not have; ignoring them leaves the training itself unchanged.
-    activation_checkpointing: Annotated[Block, DeepSpeedOnly()] = None
-    """DeepSpeed's activation checkpointing (used through ``deepspeed.checkpointing``)."""
     aio: Annotated[Block, DeepSpeedOnly()] = None
     """DeepSpeed's asynchronous I/O for NVMe offload."""
     autotuning: Annotated[Block, DeepSpeedOnly()] = None

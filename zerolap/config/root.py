@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 from pydantic import AliasChoices, ConfigDict, Field, ValidationError
 
+from zerolap.config.activation_checkpointing import ActivationCheckpointingConfig
 from zerolap.config.batch import resolve_batch_size
 from zerolap.config.comms_logger import CommsLoggerConfig
 from zerolap.config.deepspeed_keys import DeepSpeedKeys
@@ -27,7 +28,7 @@ from zerolap.config.precision import BF16Config, DTypeName, FP16Config, torch_dt
 from zerolap.config.scheduler import SchedulerConfig
 from zerolap.config.zero import ZeroConfig
 
-__all__ = ["ZerolapConfig", "load_config", "read_config"]
+__all__ = ["ZerolapConfig", "load_config", "parse_config", "read_config"]
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -76,6 +77,10 @@ class ZerolapConfig(DeepSpeedKeys):
     """bf16 mixed precision (also spelt ``bfloat16``)."""
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     """The ZeRO stage and its knobs."""
+    activation_checkpointing: ActivationCheckpointingConfig = Field(
+        default_factory=ActivationCheckpointingConfig
+    )
+    """How ``zerolap.checkpointing`` (``deepspeed.checkpointing``) keeps checkpoint inputs."""
 
     @property
     def print_interval(self) -> int | None:
@@ -151,12 +156,23 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike, *, world_size: in
     data-parallel ranks. Raises ``ConfigError`` listing every problem, each by its dotted key."""
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size must be a positive int; got {world_size!r}")
+    return _validate(config, {"world_size": world_size})
+
+
+def parse_config(config: Mapping[str, Any] | str | os.PathLike) -> ZerolapConfig:
+    """Parse and check a ds_config as ``load_config`` does, but with no world size: the batch
+    sizes stay as given, unresolved. For components configured apart from ``initialize``, such
+    as ``zerolap.checkpointing.configure``."""
+    return _validate(config, {})
+
+
+def _validate(config: Mapping[str, Any] | str | os.PathLike, context: dict) -> ZerolapConfig:
     source = "ds_config"
     if isinstance(config, (str, os.PathLike)):
         source = f"ds_config {os.fspath(config)}"
     config = read_config(config)
     try:
-        return ZerolapConfig.model_validate(config, context={"world_size": world_size})
+        return ZerolapConfig.model_validate(config, context=context)
     except ValidationError as error:
         raise ConfigError(format_validation_error(error, source=source)) from None
 

@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 
 import zerolap.comm as dist
+from zerolap import checkpointing
 from zerolap.accelerator import get_accelerator
-from zerolap.config import ZerolapConfig
+from zerolap.config import ConfigError, ZerolapConfig
 from zerolap.runtime.loss_scaler import build_loss_scaler
 from zerolap.runtime.memory import MemoryBreakdown, measure_memory
 from zerolap.runtime.timers import WallClockBreakdown
@@ -78,6 +79,7 @@ class ZerolapEngine(torch.nn.Module):
             config.zero_optimization.stage, reduce_scatter=config.zero_optimization.reduce_scatter
         )
         self._warn_unsupported()
+        self._configure_activation_checkpointing()
         self._unshard_unmanaged()
         self._place_module()
         trains = make_optimizer is not None and bool(trainable_params(module))
@@ -142,6 +144,22 @@ class ZerolapEngine(torch.nn.Module):
             )
         for note in config.advice():
             logger.warning(f"ds_config {note}")
+
+    def _configure_activation_checkpointing(self) -> None:
+        """A ds_config ``activation_checkpointing`` block is put in force for
+        ``zerolap.checkpointing`` (``deepspeed.checkpointing``) unless the script configured
+        that module itself, which then wins, as in DeepSpeed. A block that cannot be put in
+        force (contiguous memory without ``number_checkpoints``) is said, not failed on:
+        DeepSpeed too reads it only when the script calls ``configure``."""
+        if "activation_checkpointing" not in self._config.model_fields_set:
+            return
+        if checkpointing.is_configured():
+            return
+        try:
+            checkpointing.configure_from_config(self._config.activation_checkpointing)
+        except ConfigError as err:
+            if self.global_rank == 0:
+                logger.warning(f"activation_checkpointing not put in force: {err}")
 
     def _unshard_unmanaged(self) -> None:
         """Parameters that ``zero.Init`` sharded become whole again below stage 3, which does
