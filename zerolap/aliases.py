@@ -36,6 +36,8 @@ MODULES: dict[str, str] = {
     "checkpoint.utils": "zerolap.checkpoint.utils",
     "checkpointing": "zerolap.checkpointing",
     "comm": "zerolap.comm",
+    "launcher": "zerolap.launcher",
+    "launcher.runner": "zerolap.launcher",
     "ops": "zerolap.ops",
     "ops.adagrad": "zerolap.ops.adagrad",
     "ops.adam": "zerolap.ops.adam",

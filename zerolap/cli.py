@@ -75,6 +75,8 @@ def _run(args: argparse.Namespace) -> int:
     """Hand over to torchrun with the translated flags."""
     from torch.distributed import run as torchrun
 
+    from zerolap.launcher import torchrun_argv
+
     _positive("-n/--nproc-per-node", args.nproc_per_node)
     if not 1 <= args.master_port <= 65535:
         raise CliError(
@@ -83,16 +85,14 @@ def _run(args: argparse.Namespace) -> int:
         )
     if not Path(args.script).is_file():
         raise CliError(f"{args.script}: no such script")
-    argv = [
-        f"--nproc-per-node={args.nproc_per_node}",
-        f"--nnodes={args.nnodes}",
-        f"--node-rank={args.node_rank}",
-        f"--master-addr={args.master_addr}",
-        f"--master-port={args.master_port}",
-        args.script,
-        *args.script_args,
-    ]
-    torchrun.main(argv)
+    launch = torchrun_argv(
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+    )
+    torchrun.main([*launch, args.script, *args.script_args])
     return 0
 
 
@@ -181,6 +181,11 @@ def _report(args: argparse.Namespace) -> int:
     for key, value in rows:
         print(f"{key.ljust(width)}  {value}")
     return 0
+
+
+def report_main() -> int:
+    """``ds_report`` (installed by the deepspeed shim): ``zerolap report``."""
+    return main(["report"])
 
 
 def build_parser() -> argparse.ArgumentParser:

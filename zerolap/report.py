@@ -6,7 +6,25 @@ import os
 import platform
 import sys
 
-__all__ = ["environment_report"]
+__all__ = ["deepspeed_status", "environment_report"]
+
+
+def deepspeed_status() -> str:
+    """Which ``deepspeed`` an ``import deepspeed`` reaches: zerolap's shim, a real DeepSpeed, or
+    none (read from the package metadata, without importing it)."""
+    import importlib.metadata
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return "none installed (zerolap's shim: pip install ./compat from zerolap's source tree)"
+    try:
+        dist = importlib.metadata.distribution("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return "a 'deepspeed' module without package metadata: clients will not detect it"
+    where = dist.locate_file("")
+    if "+zerolap" in dist.version:
+        return f"zerolap's shim {dist.version} (clients that import deepspeed run on zerolap)"
+    return f"real DeepSpeed {dist.version} at {where}: import deepspeed does not reach zerolap"
 
 
 def environment_report() -> list[tuple[str, str]]:
@@ -44,6 +62,7 @@ def environment_report() -> list[tuple[str, str]]:
             rows.append((package, getattr(module, "__version__", "installed")))
         except ImportError:
             rows.append((package, "MISSING"))
+    rows.append(("deepspeed import", deepspeed_status()))
     launch = [
         k for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK") if k in os.environ
     ]

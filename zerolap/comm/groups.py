@@ -13,6 +13,7 @@ import torch
 import torch.distributed as torch_dist
 
 from zerolap.comm.env import discover_launch_env
+from zerolap.utils.logging import logger
 
 __all__ = [
     "DEFAULT_TIMEOUT",
@@ -92,10 +93,9 @@ def init_distributed(
             timeout=timeout,
         )
     if verbose and launch.rank == 0:
-        print(
+        logger.info(
             f"zerolap.comm: {launch.world_size} rank(s) on {backend} "
-            f"(launcher: {launch.launcher}, rendezvous {launch.master_addr}:{launch.master_port})",
-            flush=True,
+            f"(launcher: {launch.launcher}, rendezvous {launch.master_addr}:{launch.master_port})"
         )
 
 

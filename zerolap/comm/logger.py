@@ -26,6 +26,7 @@ import torch.distributed as torch_dist
 
 from zerolap.comm.volume import bus_factor
 from zerolap.config.comms_logger import CommsLoggerConfig
+from zerolap.utils.logging import logger as log
 
 __all__ = [
     "COMMS_LOGGER",
@@ -118,11 +119,10 @@ class CommsLogger:
         latency = record.latency or 0.0
         algbw = record.message_bytes / latency / 1e9 if latency > 0 else 0.0
         busbw = algbw * bus_factor(record.op, record.group_size)
-        print(
+        log.info(
             f"comm op: {record.op} | time (ms): {latency * 1e3:.3f} | "
             f"msg size: {_human_bytes(record.message_bytes)} | algbw (GB/s): {algbw:.3f} | "
-            f"busbw (GB/s): {busbw:.3f}",
-            flush=True,
+            f"busbw (GB/s): {busbw:.3f}"
         )
 
     def reset(self) -> None:
@@ -255,7 +255,7 @@ def log_summary(show_straggler: bool = False) -> dict:
             summary[op][size]["straggler_ms"] = gap
     rank = torch_dist.get_rank() if torch_dist.is_initialized() else 0
     if rank == 0:
-        print(format_summary(summary, show_straggler), flush=True)
+        log.info(format_summary(summary, show_straggler))
     return summary
 
 

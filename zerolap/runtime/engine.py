@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections import OrderedDict
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from zerolap.runtime.loss_scaler import build_loss_scaler
 from zerolap.runtime.memory import MemoryBreakdown, measure_memory
 from zerolap.runtime.timers import WallClockBreakdown
 from zerolap.utils.logging import logger
+from zerolap.zero.external import ensure_registry
 from zerolap.zero.fetcher import ParamFetcher
 from zerolap.zero.flat_params import FlatParams
 from zerolap.zero.grad_storage import FullGradients, ShardGradients
@@ -45,6 +47,17 @@ from zerolap.zero.units import plan_units
 __all__ = ["DeepSpeedEngine", "ZerolapEngine"]
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _take_over(module: torch.nn.Module) -> None:
+    """A model still wrapped by a live engine (initialize called again on it: an RLHF trainer
+    wraps its policy once for inference, then for training) is first given back by that
+    engine, whose hooks would otherwise take its gradients and parameters."""
+    ref = getattr(module, "_zerolap_engine", None)
+    previous = ref() if ref is not None else None
+    if previous is not None and previous.module is module and not previous.destroyed:
+        logger.info("initialize(): the model was wrapped by another engine; destroying that one")
+        previous.destroy()
 
 
 def trainable_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -65,6 +78,7 @@ class ZerolapEngine(torch.nn.Module):
         group=None,
     ) -> None:
         super().__init__()
+        _take_over(module)
         self.module = module
         self._config = config
         # What clients read as ``engine.config``: the ds_config as given (DeepSpeed's engine
@@ -89,6 +103,8 @@ class ZerolapEngine(torch.nn.Module):
         self.units = None  # stage 3's fetch units (zero.units.UnitPlan)
         if self.plan.shard_params:
             apply_leaf_config(module, zero.leaf_module)
+            for submodule in module.modules():
+                ensure_registry(submodule)  # ds_external_parameters() on every module
             self.units = plan_units(
                 module,
                 persistence_threshold=zero.param_persistence_threshold,
@@ -113,6 +129,8 @@ class ZerolapEngine(torch.nn.Module):
                 self.param_store.after_write_back.append(self.optimizer.reload_master)
             self.lr_scheduler = make_scheduler(self.optimizer.inner)
             self._param_access = ParamAccess(self.optimizer, self.params)
+            self.optimizer.parameter_offload = self.fetcher  # DeepSpeed's name (TRL reads it)
+        self.destroyed = False
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -123,6 +141,7 @@ class ZerolapEngine(torch.nn.Module):
         # Who hears about phases (forward, backward, waits, optimizer): wall_clock_breakdown's
         # timers, profilers. Empty costs one loop over nothing per phase.
         self._phase_recorders: list = []
+        module._zerolap_engine = weakref.ref(self)
         if config.wall_clock_breakdown:
             self.add_phase_recorder(
                 WallClockBreakdown(steps_per_print=config.print_interval, rank=self.global_rank)
@@ -252,6 +271,7 @@ class ZerolapEngine(torch.nn.Module):
         zero = self._config.zero_optimization
         return ParamFetcher(
             self.param_store,
+            self.module,
             self.units.fetch,
             self.units.names,
             prefetch_numel=zero.prefetch_bucket_size,
@@ -472,6 +492,14 @@ class ZerolapEngine(torch.nn.Module):
         self.fetcher = self.param_store = self._param_access = None
         self.params = []
         self._phase_recorders = []
+        self.module.__dict__.pop("_zerolap_engine", None)
+        self.destroyed = True
+
+    def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None) -> None:
+        """``torch.compile`` the wrapped module's forward in place (DeepSpeed's signature;
+        Accelerate calls it when a dynamo backend is set). The engine's hooks stay outside the
+        compiled code."""
+        self.module.compile(backend=backend, **(compile_kwargs or {}))
 
     # -- DeepSpeed's accessors ----------------------------------------------------------------
 

@@ -2,12 +2,9 @@
 sharded parameters (``Init``, ``GatheredParameters``, external parameters, leaf modules)."""
 
 from zerolap.zero import partition_parameters
+from zerolap.zero.external import register_external_parameter, unregister_external_parameter
 from zerolap.zero.gathered import GatheredParameters
 from zerolap.zero.init import Init
-from zerolap.zero.partition_parameters import (
-    register_external_parameter,
-    unregister_external_parameter,
-)
 from zerolap.zero.status import ParamStatus, ZeroParamStatus
 
 __all__ = [

@@ -50,6 +50,18 @@ class FetchTrace:
         if self.on_trace and len(self.current) < len(self.recorded):
             self._adopt(self.current)
 
+    def invalidate(self) -> None:
+        """Forget the record: the next step records afresh (after hooks were taken off and put
+        back, the order may differ)."""
+        self.recorded, self.on_trace = None, False
+        self._positions, self._prefix = {}, [0]
+
+    # DeepSpeed's coordinator names, as TRL calls them.
+    def is_invalid_trace(self) -> bool:
+        return self.recorded is None
+
+    _invalidate_trace = invalidate
+
     @property
     def position(self) -> int:
         """Index of the latest fetch in this step (-1 before the first)."""

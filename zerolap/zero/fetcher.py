@@ -57,6 +57,7 @@ class ParamFetcher:
     def __init__(
         self,
         store: ShardedParams,
+        module: torch.nn.Module,
         fetch: dict[torch.nn.Module, list[int]],
         names: list[str],
         *,
@@ -80,19 +81,26 @@ class ParamFetcher:
             sum(store.params[slot].requires_grad for slot in b.slots) for b in store.layout.buckets
         ]
         self._due = list(self._slots)  # gradients still to arrive per unit in this backward
-        self._hooks: list = []  # every handle, so that remove_hooks() leaves the model bare
-        self._units_of: dict[torch.nn.Module, list[int]] = {}  # the lists the hooks read
-        for module, units in fetch.items():
-            self._hook_module(module, list(units))
+        self.module = module  # the root: DeepSpeed's offload object exposes it, TRL reads it
+        self._units_of = {m: list(units) for m, units in fetch.items()}  # the lists hooks read
+        # Every hook handle, in DeepSpeed's two lists: clients (TRL's generation) remove them
+        # and put them back with _register_deepspeed_module, as they do DeepSpeed's.
+        self.forward_hooks: list = []  # module pre/post forward hooks
+        self.backward_hooks: list = []  # parameter gradient hooks (release after backward)
+        self._install_hooks()
         store.fetcher = self  # register_external_parameter finds the fetcher through a param
-        for slot, param in enumerate(store.params):
-            unit = store.layout.slots[slot].bucket
-            if not store.persistent[unit] and param.requires_grad:
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad(unit)))
+
+    def _install_hooks(self) -> None:
+        for module, units in self._units_of.items():
+            self._hook_module(module, units)
+        for slot, param in enumerate(self.store.params):
+            unit = self.store.layout.slots[slot].bucket
+            if not self.store.persistent[unit] and param.requires_grad:
+                handle = param.register_post_accumulate_grad_hook(self._on_grad(unit))
+                self.backward_hooks.append(handle)
 
     def _hook_module(self, module: torch.nn.Module, units: list[int]) -> None:
-        self._units_of[module] = units
-        self._hooks += [
+        self.forward_hooks += [
             module.register_forward_pre_hook(self._pre_forward(units), with_kwargs=True),
             module.register_forward_hook(self._post_forward(units)),
         ]
@@ -104,7 +112,8 @@ class ParamFetcher:
             return
         units = self._units_of.get(module)
         if units is None:
-            self._hook_module(module, [unit])
+            self._units_of[module] = [unit]
+            self._hook_module(module, self._units_of[module])
         elif unit not in units:
             units.append(unit)
 
@@ -149,9 +158,24 @@ class ParamFetcher:
 
     def remove_hooks(self) -> None:
         """Take every module and parameter hook off the model (``engine.destroy()``)."""
-        for handle in self._hooks:
+        for handle in self.forward_hooks + self.backward_hooks:
             handle.remove()
-        self._hooks = []
+        self.forward_hooks, self.backward_hooks = [], []
+
+    # -- DeepSpeed's offload interface, as TRL's generation drives it -------------------------
+    # TRL gathers every parameter, removes the handles in forward_hooks / backward_hooks,
+    # generates, then calls _register_deepspeed_module(root) and invalidates the coordinator's
+    # trace (DeepSpeed's names). Here the record of the fetch order plays the coordinator.
+
+    @property
+    def param_coordinator(self) -> FetchTrace:
+        return self.trace
+
+    def _register_deepspeed_module(self, module: torch.nn.Module) -> None:
+        """Put every hook back (whatever ``module`` is: DeepSpeed's clients pass the root),
+        replacing any still installed so that none runs twice."""
+        self.remove_hooks()
+        self._install_hooks()
 
     # -- fetching -----------------------------------------------------------------------------
 

@@ -3,8 +3,10 @@
 Stage-3 parameters (sharded by the engine or by ``zero.Init``) are gathered on entry, held so
 that no module hook releases them underneath, and released on exit. With ``modifier_rank`` set,
 that rank's values are broadcast on exit and every rank keeps its chunk of them (and the fp32
-master follows), so changes made there survive. Parameters that are not sharded (stages 0-2)
-are whole already; with ``modifier_rank`` they are broadcast so the copies stay identical.
+master follows), so changes made there survive. With ``fwd_module``, the sharded parameters
+are also registered as used by that module's forward (``register_external_parameter``).
+Parameters that are not sharded (stages 0-2) are whole already; with ``modifier_rank`` they are
+broadcast so the copies stay identical.
 
 A collective: every rank must enter with the same parameters.
 """
@@ -16,6 +18,7 @@ from collections.abc import Iterable
 import torch
 
 import zerolap.comm as dist
+from zerolap.zero.external import register_external_parameter
 from zerolap.zero.status import is_sharded
 
 __all__ = ["GatheredParameters"]
@@ -29,8 +32,13 @@ class GatheredParameters:
             params = [params]
         elif params is None:
             params = []
-        self.params = list(params) if isinstance(params, Iterable) else [params]
+        params = list(params) if isinstance(params, Iterable) else [params]
+        # Clients pass lists with None (a missing bias), buffers and plain tensors beside
+        # parameters, and generators: the tensors are kept, in order, each once.
+        unique = {id(p): p for p in params if isinstance(p, torch.Tensor)}
+        self.params = list(unique.values())
         self.modifier_rank = modifier_rank
+        self.fwd_module = fwd_module
         self.enabled = enabled
         self._held: list[tuple[object, object]] = []
 
@@ -41,6 +49,8 @@ class GatheredParameters:
         for param in self.params:
             if is_sharded(param):
                 by_owner.setdefault(id(param.ds_owner), (param.ds_owner, []))[1].append(param)
+                if self.fwd_module is not None:
+                    register_external_parameter(self.fwd_module, param)
         self._held = [(owner, owner.hold(params)) for owner, params in by_owner.values()]
         return self.params
 

@@ -104,8 +104,14 @@ def _dtype_from_config(config) -> torch.dtype | None:
         config = json.loads(Path(config).read_text())
     if hasattr(config, "precision"):
         return _DTYPES[config.precision]
-    for key, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
-        if isinstance(config.get(key), dict) and config[key].get("enabled"):
+    # Read directly, not validated: the Hugging Face integration hands over its config before
+    # filling in the "auto" placeholders, and an enabled "auto" is not a yes.
+    for key, dtype in (
+        ("bf16", torch.bfloat16),
+        ("bfloat16", torch.bfloat16),
+        ("fp16", torch.float16),
+    ):
+        if isinstance(config.get(key), dict) and config[key].get("enabled") is True:
             return dtype
     return None
 

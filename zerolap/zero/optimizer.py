@@ -81,6 +81,10 @@ class ZeroOptimizer:
         self._zero = torch.zeros((), dtype=torch.float64, device=device)
         self.last_norm: float | None = None
         self.last_applied = True
+        self.overflow = False  # the last step was skipped for fp16 overflow (DeepSpeed's name)
+        # Stage 3: the engine's ParamFetcher, under DeepSpeed's name for the object that
+        # gathers and releases parameters (clients such as TRL reach it from the optimizer).
+        self.parameter_offload = None
 
     def _make_master(self, shard_numel: int) -> torch.Tensor | None:
         if self.store.dtype == torch.float32:
@@ -137,7 +141,9 @@ class ZeroOptimizer:
             if self._agree((~finite).double().reshape(1), "max") > 0:
                 self.loss_scaler.update_scale(True)
                 self.last_norm, self.last_applied = math.inf, False
+                self.overflow = True
                 return False
+        self.overflow = False
         norm = self._global_norm(grads, scale) if self.compute_norm else None
         divisor = scale
         if self.clip > 0 and norm is not None and norm + 1e-6 > self.clip:
@@ -170,6 +176,34 @@ class ZeroOptimizer:
     def publish(self) -> None:
         """Phase 6 (communication only): every rank receives the updated parameters."""
         self.store.publish()
+
+    @property
+    def cur_scale(self) -> float:
+        """The loss scale (DeepSpeed's name; 1 unless fp16)."""
+        return self.loss_scaler.loss_scale
+
+    loss_scale = cur_scale
+
+    def state_dict(self) -> dict:
+        """This rank's optimizer state: the inner optimizer's (one entry per owned run), the
+        loss scaler's, and the runs it covers. It loads back only into the same layout (same
+        model, world size and stage); ``engine.save_checkpoint`` is the portable form."""
+        return {
+            "inner": self.inner.state_dict(),
+            "loss_scaler": self.loss_scaler.state_dict(),
+            "runs": [(r.start, r.end) for r in self.runs],
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        runs = [(r.start, r.end) for r in self.runs]
+        if [tuple(r) for r in state_dict.get("runs", [])] != runs:
+            raise ValueError(
+                "optimizer.load_state_dict: the state was saved for another layout (model, world "
+                "size or ZeRO stage); use engine.save_checkpoint / load_checkpoint, which load "
+                "across them"
+            )
+        self.inner.load_state_dict(state_dict["inner"])
+        self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in the engine's buffers and are cleared at each accumulation cycle."""

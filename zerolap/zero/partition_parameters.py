@@ -1,17 +1,21 @@
-"""DeepSpeed's ``deepspeed.runtime.zero.partition_parameters`` names, and external parameters.
+"""DeepSpeed's ``deepspeed.runtime.zero.partition_parameters`` module: the stage-3 names
+clients import from it, and two helpers transformers patches.
 
-``register_external_parameter(module, param)`` says that ``module``'s forward uses ``param``
-although another module registers it (a weight passed to a sibling, a parametrization's
-original tensors): under stage 3 the unit holding ``param`` is then gathered around
-``module``'s forward and backward as well. It may be called before ``initialize`` (model code
-does, in ``__init__``: the mark is kept on the module and read when the units are planned)
-or after (the engine's fetcher adds the unit to the module's hooks at once).
+``zero_wrapper_for_fp_tensor_constructor`` and ``_orig_torch_arange`` are read, replaced and
+restored by transformers around ``zero.Init`` (its ``prevent_arange_dtype_change``), so they
+must exist here. zerolap's ``Init`` does not wrap torch's tensor constructors (it casts each
+parameter to the training dtype as it shards it), so the wrapper only serves whoever calls it.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
+from zerolap.accelerator import get_accelerator
+from zerolap.zero.external import register_external_parameter, unregister_external_parameter
 from zerolap.zero.gathered import GatheredParameters
 from zerolap.zero.init import Init
 from zerolap.zero.status import ParamStatus, ZeroParamStatus
@@ -21,29 +25,26 @@ __all__ = [
     "Init",
     "ParamStatus",
     "ZeroParamStatus",
-    "external_parameters",
+    "get_accelerator",
     "register_external_parameter",
     "unregister_external_parameter",
+    "zero_wrapper_for_fp_tensor_constructor",
 ]
 
-
-def external_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters registered as used by ``module`` though registered elsewhere."""
-    return list(getattr(module, "ds_external_parameters", {}).values())
+_orig_torch_arange = torch.arange
 
 
-def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
-    if not isinstance(parameter, torch.nn.Parameter):
-        raise RuntimeError(
-            f"register_external_parameter: expected a torch.nn.Parameter, got {type(parameter)}"
-        )
-    if not hasattr(module, "ds_external_parameters"):
-        module.ds_external_parameters = {}
-    module.ds_external_parameters[id(parameter)] = parameter
-    fetcher = getattr(getattr(parameter, "ds_owner", None), "fetcher", None)
-    if fetcher is not None:
-        fetcher.add_external(module, parameter)
+def zero_wrapper_for_fp_tensor_constructor(
+    fn: Callable, target_fp_dtype: torch.dtype, target_device=None
+) -> Callable:
+    """``fn`` (a tensor constructor) made to build on ``target_device`` (default: the
+    accelerator's device) and to cast floating-point results to ``target_fp_dtype``."""
+    device = target_device if target_device is not None else get_accelerator().device()
 
+    @functools.wraps(fn)
+    def build(*args, **kwargs):
+        kwargs.setdefault("device", device)
+        tensor = fn(*args, **kwargs)
+        return tensor.to(target_fp_dtype) if tensor.is_floating_point() else tensor
 
-def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
-    getattr(module, "ds_external_parameters", {}).pop(id(parameter), None)
+    return build

@@ -31,7 +31,7 @@ from zerolap.zero.gather import all_gather_bucket
 from zerolap.zero.layout import FlatLayout, OwnedRun
 from zerolap.zero.status import ParamStatus, mark, unmark
 
-__all__ = ["ShardedParams"]
+__all__ = ["ActiveModules", "ShardedParams"]
 
 _CAN_SWAP = hasattr(torch.UntypedStorage, "_swap_data_ptr_")
 
@@ -69,6 +69,21 @@ class _BufferPool:
 
     def nbytes(self) -> int:
         return sum(size * len(free) for size, free in self.free.items())
+
+
+class ActiveModules:
+    """``param.ds_active_sub_modules`` (DeepSpeed's name): how many running modules hold the
+    parameter's unit gathered right now. ``clear()`` drops those holds, as clients do before
+    taking the fetch hooks off (TRL's generation), so that nothing stays pinned."""
+
+    def __init__(self, store: ShardedParams, unit: int) -> None:
+        self.store, self.unit = store, unit
+
+    def __len__(self) -> int:
+        return self.store.holds[self.unit]
+
+    def clear(self) -> None:
+        self.store.holds[self.unit] = 0
 
 
 class ShardedParams:
@@ -143,6 +158,7 @@ class ShardedParams:
         self._chunk_of(unit).copy_(self._own_part(unit, full))
         for slot in bucket.slots:
             self.params[slot].ds_tensor = self._own_elements(slot)
+            self.params[slot].ds_active_sub_modules = ActiveModules(self, unit)
         self._attach(unit)
         if not self.persistent[unit]:
             self.release(unit)

@@ -52,7 +52,8 @@ def mark(param: torch.nn.Parameter, status: ParamStatus, owner=None) -> None:
 
 def unmark(param: torch.nn.Parameter) -> None:
     """``param`` is an ordinary whole tensor again: no stage-3 attributes."""
-    for name in ("ds_status", "ds_owner", "ds_shape", "ds_numel", "ds_id", "ds_tensor"):
+    attributes = ("ds_status", "ds_owner", "ds_shape", "ds_numel", "ds_id", "ds_tensor")
+    for name in (*attributes, "ds_active_sub_modules"):
         if hasattr(param, name):
             delattr(param, name)
 

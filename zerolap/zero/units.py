@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from zerolap.zero.external import external_parameters
 from zerolap.zero.leaf_modules import z3_leaf_module
-from zerolap.zero.partition_parameters import external_parameters
 from zerolap.zero.status import full_numel
 
 __all__ = ["UnitPlan", "plan_units"]

@@ -1,0 +1,451 @@
+"""The engine as DeepSpeed's clients drive it (the Hugging Face Trainer, Accelerate, TRL):
+engines without an optimizer, frozen models, the accumulation boundary decided from outside,
+``backward(scale_wrt_gas=False)``, ``engine.config`` as the dict, ``destroy()``, a second
+``initialize`` on the same model, the optimizer's DeepSpeed attributes, and per-parameter
+access to sharded state (``safe_get_full_*``). Each result is checked against one process
+doing the same arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerolap
+import zerolap.comm as dist
+from tests.logs import captured_logs
+from tests.zero.models import global_batch, loss_fn, make_model
+from zerolap.utils import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+)
+from zerolap.zero import GatheredParameters, ZeroParamStatus
+
+TIMEOUT = 90.0
+MICRO = 2
+LR = 0.05
+
+
+def _config(stage: int, *, optimizer: bool = True, gas: int = 1, **extra) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": gas,
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        **extra,
+    }
+    if optimizer:
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.01}}
+    return config
+
+
+def _whole(params) -> list[torch.Tensor]:
+    params = list(params)
+    with GatheredParameters(params):
+        return [p.detach().clone() for p in params]
+
+
+def _max_diff(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+# -- engines without an optimizer ------------------------------------------------------------
+
+
+def check_inference_engine(stage: int) -> dict:
+    rank = dist.get_rank()
+    model = make_model(seed=rank)  # every rank different: rank 0's weights must win
+    model.norm.requires_grad_(False)
+    engine, optimizer, loader, scheduler = zerolap.initialize(
+        model=model, config=_config(stage, optimizer=False)
+    )
+    tokens, _ = global_batch(0, 4)
+    with torch.no_grad():
+        out = engine(tokens)
+    reference = make_model(seed=0)
+    params = list(engine.module.parameters())
+    result = {
+        "none": (optimizer, loader, scheduler, engine.optimizer) == (None, None, None, None),
+        "out": (out - reference(tokens)).abs().max().item(),
+        "values": _max_diff(_whole(params), reference.parameters()),
+    }
+    if stage == 3:
+        result["sharded"] = all(
+            p.numel() == 0
+            and p.ds_status == ZeroParamStatus.NOT_AVAILABLE
+            and p.ds_numel == q.numel()
+            and tuple(p.ds_shape) == tuple(q.shape)
+            and p.ds_tensor.numel() <= -(-q.numel() // dist.get_world_size())
+            for p, q in zip(params, reference.parameters(), strict=True)
+        )
+        result["ids"] = len({p.ds_id for p in params}) == len(params)
+        result["frozen_sharded"] = all(p.numel() == 0 for p in engine.module.norm.parameters())
+    for name, call in (("backward", lambda: engine.backward(out.sum())), ("step", engine.step)):
+        with pytest.raises(RuntimeError, match=rf"engine.{name}\(\) needs an optimizer"):
+            call()
+    return result
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_an_engine_without_optimizer_runs_forward_only(ranks, stage):
+    for result in ranks(2).run(check_inference_engine, stage, timeout=TIMEOUT):
+        assert result["none"]
+        assert result["out"] == 0.0 and result["values"] == 0.0
+        if stage == 3:
+            assert result["sharded"] and result["ids"] and result["frozen_sharded"]
+
+
+def check_frozen_model_with_optimizer_config(stage: int) -> dict:
+    model = make_model().requires_grad_(False)
+    with captured_logs() as logs:
+        _, optimizer, _, _ = zerolap.initialize(model=model, config=_config(stage))
+    return {
+        "optimizer": optimizer,
+        "logs": logs,
+        "sharded": [p.numel() for p in model.parameters()],
+    }
+
+
+def test_a_frozen_model_gets_an_inference_engine(ranks):
+    for result in ranks(2).run(check_frozen_model_with_optimizer_config, 3, timeout=TIMEOUT):
+        assert result["optimizer"] is None
+        assert any("no trainable parameter" in line for line in result["logs"])
+        assert result["sharded"] == [0] * len(result["sharded"])
+
+
+def reference_partly_frozen(steps: int, world: int) -> list[torch.Tensor]:
+    model = make_model()
+    model.embed.requires_grad_(False)  # tied to the output layer: frozen too
+    model.norm.requires_grad_(False)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=LR, weight_decay=0.01)
+    for step in range(steps):
+        tokens, targets = global_batch(step, MICRO * world)
+        opt.zero_grad()
+        loss_fn(model(tokens), targets).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def check_partly_frozen_stage3(steps: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    model.embed.requires_grad_(False)
+    model.norm.requires_grad_(False)
+    config = _config(3)
+    config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0  # exact counts below
+    live_in_backward = []
+    # By the time the first Linear's gradient arrives, the output layer (the frozen tied
+    # embedding) and the frozen norm have run their backward: their units must be gone.
+    model.hidden.weight.register_post_accumulate_grad_hook(
+        lambda p: live_in_backward.append(engine.param_store.live_numel())
+    )
+    engine, *_ = zerolap.initialize(model=model, config=config)
+    dist.configure(enabled=True)
+    dist.reset_log()
+    for step in range(steps):
+        tokens, targets = global_batch(step, MICRO * world)
+        mine = slice(rank * MICRO, rank * MICRO + MICRO)
+        engine.backward(loss_fn(engine(tokens[mine]), targets[mine]))
+        engine.step()
+    records = dist.COMMS_LOGGER.records
+    reduced = sum(r.message_bytes for r in records if "reduce_scatter" in r.op)
+    dist.configure(enabled=False)
+    trainable = sum(p.ds_numel for p in model.parameters() if p.requires_grad)
+    return {
+        "params": _whole(model.parameters()),
+        "live": live_in_backward,
+        "hidden": model.hidden.weight.ds_numel + model.hidden.bias.ds_numel,
+        "reduced_per_step": reduced / steps,
+        "trainable_bytes": trainable * 4,
+    }
+
+
+def test_frozen_parameters_are_sharded_released_and_never_reduced_at_stage_3(ranks):
+    steps = 3
+    reference = reference_partly_frozen(steps, world=2)
+    for result in ranks(2).run(check_partly_frozen_stage3, steps, timeout=TIMEOUT):
+        assert _max_diff(result["params"], reference) < 1e-5
+        assert result["live"] == [result["hidden"]] * steps
+        # Only trainable units are reduce-scattered (each padded to a multiple of 2).
+        assert result["trainable_bytes"] <= result["reduced_per_step"]
+        assert result["reduced_per_step"] <= result["trainable_bytes"] + 4 * 2 * 8
+
+
+# -- accumulation driven from outside --------------------------------------------------------
+
+
+def _train(stage: int, *, external: bool, pre_divided: bool, steps: int = 2, gas: int = 2):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine, *_ = zerolap.initialize(model=make_model(), config=_config(stage, gas=gas))
+    dist.configure(enabled=True)
+    dist.reset_log()
+    returned = []
+    for step in range(steps):
+        tokens, targets = global_batch(step, MICRO * gas * world)
+        for micro in range(gas):
+            lo = (micro * world + rank) * MICRO
+            loss = loss_fn(engine(tokens[lo : lo + MICRO]), targets[lo : lo + MICRO])
+            boundary = micro == gas - 1
+            if external:  # Accelerate's order: boundary first, step() at the boundary only
+                engine.set_gradient_accumulation_boundary(is_boundary=boundary)
+            if pre_divided:  # the Trainer divides the loss itself
+                back = engine.backward(loss / gas, scale_wrt_gas=False)
+            else:
+                back = engine.backward(loss)
+            returned.append(abs(back.item() - loss.item() / gas))  # DeepSpeed returns loss / gas
+            if boundary or not external:
+                engine.step()
+    collectives = len(dist.COMMS_LOGGER.records)
+    dist.configure(enabled=False)
+    return {
+        "params": _whole(engine.module.parameters()),
+        "steps": engine.global_steps,
+        "collectives": collectives,
+        "returned": returned,
+    }
+
+
+def check_external_boundary(stage: int) -> dict:
+    counted = _train(stage, external=False, pre_divided=False)
+    accelerate = _train(stage, external=True, pre_divided=False)
+    trainer = _train(stage, external=True, pre_divided=True)
+    return {"counted": counted, "accelerate": accelerate, "trainer": trainer}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_boundary_can_be_decided_from_outside(ranks, stage):
+    for result in ranks(2).run(check_external_boundary, stage, timeout=TIMEOUT):
+        counted = result["counted"]
+        for other in (result["accelerate"], result["trainer"]):
+            assert _max_diff(other["params"], counted["params"]) < 1e-6
+            assert other["steps"] == counted["steps"] == 2
+            assert other["collectives"] == counted["collectives"]  # no extra reduction
+        for run in result.values():
+            assert max(run["returned"]) < 1e-6
+
+
+def check_boundary_decides_reduction() -> int:
+    """Stage 0 reduces only at the boundary the client names, whatever the counter says."""
+    engine, *_ = zerolap.initialize(model=make_model(), config=_config(0, gas=4))
+    tokens, targets = global_batch(0, MICRO)
+    dist.configure(enabled=True)
+    dist.reset_log()
+    engine.set_gradient_accumulation_boundary(False)
+    engine.backward(loss_fn(engine(tokens), targets))
+    quiet = len(dist.COMMS_LOGGER.records)
+    engine.set_gradient_accumulation_boundary(True)  # the counter would say micro-step 2 of 4
+    engine.backward(loss_fn(engine(tokens), targets))
+    engine.step()
+    reduced = len(dist.COMMS_LOGGER.records)
+    dist.configure(enabled=False)
+    return quiet, reduced, engine.global_steps
+
+
+def test_stage_0_reduces_exactly_at_the_boundary_it_is_told(ranks):
+    for quiet, reduced, steps in ranks(2).run(check_boundary_decides_reduction, timeout=TIMEOUT):
+        assert quiet == 0 and reduced > 0 and steps == 1
+
+
+# -- engine.config, device, precision, optimizer attributes ------------------------------------
+
+
+def check_accessors() -> dict:
+    config = _config(2, bf16={"enabled": True}, steps_per_print=float("inf"))
+    model = make_model()
+    engine, optimizer, *_ = zerolap.initialize(model=model, config_params=config)
+    return {
+        "same_dict": engine.config is config,
+        "stage": engine.config["zero_optimization"]["stage"],
+        "get": engine.config.get("fp16", {}).get("enabled", False),
+        "device": str(engine.device),
+        "bf16": (engine.bfloat16_enabled(), engine.fp16_enabled()),
+        "dtype": {p.dtype for p in model.parameters()},
+        "overflow": optimizer.overflow,
+        "scales": (optimizer.cur_scale, optimizer.loss_scale),
+        "isinstance": isinstance(engine, zerolap.DeepSpeedEngine),
+    }
+
+
+def test_engine_accessors_as_clients_read_them(ranks):
+    for result in ranks(2).run(check_accessors, timeout=TIMEOUT):
+        assert result["same_dict"] and result["stage"] == 2 and result["get"] is False
+        assert result["device"] == "cpu" and result["bf16"] == (True, False)
+        assert result["dtype"] == {torch.bfloat16}  # initialize cast the model
+        assert result["overflow"] is False and result["scales"] == (1.0, 1.0)
+        assert result["isinstance"]
+
+
+def check_fp16_overflow_flag() -> list[bool]:
+    config = _config(2, fp16={"enabled": True, "initial_scale_power": 4})
+    engine, optimizer, *_ = zerolap.initialize(model=make_model(), config=config)
+    flags = []
+    for poison in (False, True, False):
+        tokens, targets = global_batch(0, MICRO)
+        loss = loss_fn(engine(tokens), targets)
+        engine.backward(loss * (float("inf") if poison else 1.0))
+        engine.step()
+        flags.append(optimizer.overflow)
+    return flags
+
+
+def test_optimizer_overflow_reports_a_skipped_fp16_step(ranks):
+    assert ranks(2).run(check_fp16_overflow_flag, timeout=TIMEOUT) == [[False, True, False]] * 2
+
+
+def check_optimizer_state_dict(stage: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def trained(steps: int):
+        engine, optimizer, *_ = zerolap.initialize(model=make_model(), config=_config(stage))
+        for step in range(steps):
+            tokens, targets = global_batch(step, MICRO * world)
+            mine = slice(rank * MICRO, rank * MICRO + MICRO)
+            engine.backward(loss_fn(engine(tokens[mine]), targets[mine]))
+            engine.step()
+        return engine, optimizer
+
+    _, first = trained(2)
+    saved = first.state_dict()
+    _, second = trained(1)
+    second.load_state_dict(saved)
+    same = all(
+        torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+        for a, b in zip(first.state.values(), second.state.values(), strict=True)
+    )
+    saved["runs"] = saved["runs"][1:]
+    with pytest.raises(ValueError, match="saved for another layout"):
+        second.load_state_dict(saved)
+    return same
+
+
+def test_optimizer_state_dict_round_trip(ranks):
+    assert ranks(2).run(check_optimizer_state_dict, 2, timeout=TIMEOUT) == [True, True]
+
+
+# -- destroy and a second initialize ------------------------------------------------------------
+
+
+def check_destroy(stage: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    engine, *_ = zerolap.initialize(model=model, config=_config(stage))
+    tokens, targets = global_batch(0, MICRO * world)
+    mine = slice(rank * MICRO, rank * MICRO + MICRO)
+    engine.backward(loss_fn(engine(tokens[mine]), targets[mine]))
+    engine.step()
+    trained = _whole(model.parameters())
+    engine.destroy()
+    hooks = sum(
+        len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks)
+        for m in model.modules()
+    ) + sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
+    # The bare model trains as a plain one: every .grad filled by autograd.
+    loss_fn(model(tokens[mine]), targets[mine]).backward()
+    return {
+        "hooks": hooks,
+        "whole": all(p.numel() > 0 and not hasattr(p, "ds_status") for p in model.parameters()),
+        "values": _max_diff([p.detach() for p in model.parameters()], trained),
+        "grads": all(p.grad is not None for p in model.parameters()),
+        "dropped": engine.optimizer is None and engine.param_store is None,
+    }
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_destroy_gives_the_model_back(ranks, stage):
+    for result in ranks(2).run(check_destroy, stage, timeout=TIMEOUT):
+        assert result["hooks"] == 0 and result["whole"] and result["grads"]
+        assert result["values"] == 0.0 and result["dropped"]
+
+
+def check_second_initialize() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    first, *_ = zerolap.initialize(model=model, config=_config(3, optimizer=False))
+    with torch.no_grad():
+        first(global_batch(0, MICRO)[0])  # used for inference first, as TRL's DPO does
+    with captured_logs() as logs:
+        engine, *_ = zerolap.initialize(model=model, config=_config(3))
+    for step in range(2):
+        tokens, targets = global_batch(step, MICRO * world)
+        mine = slice(rank * MICRO, rank * MICRO + MICRO)
+        engine.backward(loss_fn(engine(tokens[mine]), targets[mine]))
+        engine.step()
+    return {"destroyed": first.destroyed, "logs": logs, "params": _whole(model.parameters())}
+
+
+def reference_trained(steps: int, world: int) -> list[torch.Tensor]:
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    for step in range(steps):
+        tokens, targets = global_batch(step, MICRO * world)
+        opt.zero_grad(set_to_none=False)
+        loss_fn(model(tokens), targets).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_initialize_twice_on_one_model_destroys_the_first_engine(ranks):
+    reference = reference_trained(2, world=2)
+    for result in ranks(2).run(check_second_initialize, timeout=TIMEOUT):
+        assert result["destroyed"]
+        assert any("destroying that one" in line for line in result["logs"])
+        assert _max_diff(result["params"], reference) < 1e-5
+
+
+# -- safe_get_full_* ------------------------------------------------------------------------------
+
+
+def reference_state(world: int) -> dict:
+    """One process, one AdamW step on the global batch, then a second backward."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    tokens, targets = global_batch(0, MICRO * world)
+    loss_fn(model(tokens), targets).backward()
+    opt.step()
+    opt.zero_grad()
+    tokens, targets = global_batch(1, MICRO * world)
+    loss_fn(model(tokens), targets).backward()
+    names = [n for n, _ in model.named_parameters()]
+    return {
+        "params": dict(zip(names, (p.detach().clone() for p in model.parameters()), strict=True)),
+        "grads": dict(zip(names, (p.grad.clone() for p in model.parameters()), strict=True)),
+        "exp_avg": {n: opt.state[p]["exp_avg"].clone() for n, p in model.named_parameters()},
+    }
+
+
+def check_safe_get(stage: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model()
+    engine, *_ = zerolap.initialize(model=model, config=_config(stage))
+    for step in range(2):
+        tokens, targets = global_batch(step, MICRO * world)
+        mine = slice(rank * MICRO, rank * MICRO + MICRO)
+        engine.backward(loss_fn(engine(tokens[mine]), targets[mine]))
+        if step == 0:
+            engine.step()
+    named = list(model.named_parameters())
+    got = {
+        "params": {n: safe_get_full_fp32_param(p) for n, p in named},
+        "grads": {n: safe_get_full_grad(p) for n, p in named},
+        "exp_avg": {n: safe_get_full_optimizer_state(p, "exp_avg") for n, p in named},
+    }
+    target = named[1][1]  # embed's tied weight is 0; take the hidden Linear's
+    safe_set_full_fp32_param(
+        target, torch.full(target.ds_shape if stage == 3 else target.shape, 0.5)
+    )
+    got["set"] = bool((_whole([target])[0] == 0.5).all())
+    got["set_fp32"] = bool((safe_get_full_fp32_param(target) == 0.5).all())
+    return got
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_safe_get_full_values_equal_one_process(ranks, stage):
+    reference = reference_state(world=2)
+    for result in ranks(2).run(check_safe_get, stage, timeout=TIMEOUT):
+        for kind in ("params", "grads", "exp_avg"):
+            for name, want in reference[kind].items():
+                got = result[kind][name]
+                assert got is not None and got.shape == want.shape, (kind, name)
+                assert (got - want).abs().max().item() < 1e-5, (kind, name)
+        assert result["set"] and result["set_fp32"]
