@@ -110,7 +110,7 @@ class DeepSpeedKeys(ConfigSection):
     """DeepSpeed's data loader drops the last incomplete batch."""
     disable_python_gc: Annotated[bool, DeepSpeedOnly()] = False
     """DeepSpeed turns off Python's cyclic garbage collector."""
-    seq_parallel_communication_data_type: Annotated[str | None, DeepSpeedOnly()] = None
+    seq_parallel_communication_data_type: Annotated[str | None, DeepSpeedOnly()] = "fp32"
     """DeepSpeed's gradient dtype for sequence parallelism."""
     vocabulary_size: Annotated[int | None, DeepSpeedOnly()] = None
     """DeepSpeed warns when this is not a multiple of 8."""

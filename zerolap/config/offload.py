@@ -27,8 +27,9 @@ _NVME = "NVMe offload is not supported by zerolap; use 'cpu' or 'none'"
 class _Offload(ConfigSection):
     device: OffloadDevice = "none"
     """Where the offloaded state lives: ``none`` (the accelerator) or ``cpu``."""
-    pin_memory: bool = False
-    """Use page-locked CPU memory: faster copies, less memory for everything else."""
+    pin_memory: bool = True
+    """Use page-locked CPU memory: faster copies, less memory for everything else (on by
+    default, as in DeepSpeed 0.19.8)."""
 
     @property
     def enabled(self) -> bool:

@@ -48,13 +48,14 @@ class ZerolapConfig(DeepSpeedKeys):
     """Samples per forward/backward on one rank."""
     gradient_accumulation_steps: int | None = Field(None, ge=1)
     """Micro-batches whose gradients are accumulated before each optimizer step."""
-    gradient_clipping: float = Field(0.0, ge=0, allow_inf_nan=False)
-    """Clip the global gradient norm to this value; 0 turns clipping off."""
-    steps_per_print: float | None = 10
+    gradient_clipping: float = Field(1.0, ge=0, allow_inf_nan=False)
+    """Clip the global gradient norm to this value; 0 turns clipping off. 1.0 by default, as in
+    DeepSpeed 0.19.8 (older releases defaulted to 0)."""
+    steps_per_print: float | None = None
     """Log progress (step, skipped steps, learning rates) and the wall-clock breakdown every
-    this many optimizer steps. Any number is accepted, as DeepSpeed accepts it: a fraction
-    rounds down, and null, infinity (Accelerate writes it), zero or a negative number never
-    log (see ``print_interval``)."""
+    this many optimizer steps; never by default, as in DeepSpeed 0.19.8. Any number is
+    accepted, as DeepSpeed accepts it: a fraction rounds down, and null, infinity (Accelerate
+    writes it), zero or a negative number never log (see ``print_interval``)."""
     wall_clock_breakdown: bool = False
     """Time forward, backward and step, and print the breakdown."""
     prescale_gradients: bool = False

@@ -335,6 +335,8 @@ class ZerolapEngine(torch.nn.Module):
             clip=self._config.gradient_clipping,
             loss_scaler=self.loss_scaler,
             compute_norm=self._config.zero_optimization.compute_grad_norm,
+            check_overflow=self._config.precision == "bf16"
+            and self._config.bf16.check_grad_overflow,
         )
 
     # -- training -----------------------------------------------------------------------------

@@ -8,7 +8,8 @@ an fp32 master shard.
 
 Phases of ``step()``:
 1. gather the owned gradient runs (fp32 copies under mixed precision);
-2. fp16: any non-finite value on any rank skips the step and shrinks the loss scale;
+2. fp16 (dynamic scale), and bf16 with ``check_grad_overflow``: any non-finite value on any
+   rank skips the step (fp16 also shrinks the loss scale);
 3. global norm: squares summed over owned runs, all-reduced when the optimizer is sharded;
 4. unscale and clip in one multiply, then the inner optimizer steps;
 5. mixed precision: the master runs are copied back into the 16-bit parameters;
@@ -52,6 +53,7 @@ class ZeroOptimizer:
         clip: float,
         loss_scaler,
         compute_norm: bool = True,
+        check_overflow: bool = False,
     ) -> None:
         self.inner = inner
         self.layout = layout
@@ -61,6 +63,9 @@ class ZeroOptimizer:
         self.group = group
         self.clip = clip
         self.compute_norm = compute_norm  # false: no norm, so no clipping (checked at load)
+        # bf16's check_grad_overflow: a non-finite gradient on any rank skips the step, as
+        # dynamic fp16 scaling does (without changing a scale).
+        self.check_overflow = check_overflow
         self.loss_scaler = loss_scaler
         groups = slot_groups(inner, params)
         self.runs = [r for r in layout.runs(owned_ranges, groups) if r.group >= 0]
@@ -136,7 +141,7 @@ class ZeroOptimizer:
         """Phases 1-5 (compute only): the owned elements take their step."""
         grads = self._owned_grads()
         scale = self.loss_scaler.loss_scale
-        if self.loss_scaler.dynamic:
+        if self.loss_scaler.dynamic or self.check_overflow:
             finite = torch.stack([torch.isfinite(g).all() for g in grads] or [self._true]).all()
             if self._agree((~finite).double().reshape(1), "max") > 0:
                 self.loss_scaler.update_scale(True)

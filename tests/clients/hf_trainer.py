@@ -1,0 +1,136 @@
+"""A Hugging Face Trainer run, launched by torchrun from ``test_hf_trainer.py``: a tiny causal
+LM trained with (or without) a ds_config full of "auto" values, as the Trainer documentation
+writes them. Rank 0 writes the logged losses (and what the test asks about the model) to
+``--result`` as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
+
+VOCAB = 128
+
+
+def ds_config(stage: int, *, optimizer: bool) -> dict:
+    config = {
+        "bf16": {"enabled": "auto"},
+        "fp16": {"enabled": "auto"},
+        "zero_optimization": {
+            "stage": stage,
+            "overlap_comm": True,
+            "contiguous_gradients": True,
+            "reduce_bucket_size": "auto",
+            "stage3_prefetch_bucket_size": "auto",
+            "stage3_param_persistence_threshold": "auto",
+            "stage3_gather_16bit_weights_on_model_save": True,
+        },
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "steps_per_print": 2000,
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "wall_clock_breakdown": False,
+    }
+    if optimizer:  # else the Trainer hands its own torch optimizer to initialize()
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"},
+        }
+    return config
+
+
+def tiny_config(arch: str):
+    if arch == "gpt2":
+        return AutoConfig.for_model(
+            "gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
+            bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+    return AutoConfig.for_model(
+        "llama", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+        max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, count: int, seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.ids = torch.randint(0, VOCAB, (count, 16), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stage", type=int, default=-1, help="-1: no DeepSpeed")
+    parser.add_argument("--arch", default="gpt2")
+    parser.add_argument("--model", help="a save_pretrained folder; else from_config")
+    parser.add_argument("--ds-optimizer", action="store_true")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--resume")
+    parser.add_argument("--init-out", help="save the initial weights here (save_pretrained)")
+    parser.add_argument("--result", required=True)
+    args = parser.parse_args()
+    training = TrainingArguments(
+        output_dir=args.out,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        learning_rate=1e-2,
+        warmup_steps=1,
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=2,
+        per_device_eval_batch_size=2,
+        save_steps=2,
+        report_to=[],
+        use_cpu=True,  # on a CPU-only host the Trainer counts the ranks only so
+        dataloader_num_workers=0,
+        seed=0,
+        deepspeed=ds_config(args.stage, optimizer=args.ds_optimizer) if args.stage >= 0 else None,
+    )
+    torch.manual_seed(0)
+    if args.model:
+        model = AutoModelForCausalLM.from_pretrained(args.model)
+    else:
+        model = AutoModelForCausalLM.from_config(tiny_config(args.arch))
+    first = next(model.parameters())
+    sharded_at_build = first.numel() == 0 and getattr(first, "ds_numel", 0) > 0
+    if args.init_out:
+        import zerolap
+
+        params = list(model.parameters())
+        with zerolap.zero.GatheredParameters(params):
+            if torch.distributed.get_rank() == 0:
+                model.save_pretrained(args.init_out, safe_serialization=True)
+        torch.distributed.barrier()
+    trainer = Trainer(
+        model=model, args=training, train_dataset=Tokens(64, 1), eval_dataset=Tokens(8, 2)
+    )
+    trainer.train(resume_from_checkpoint=args.resume)
+    history = trainer.state.log_history
+    result = {
+        "losses": {h["step"]: h["loss"] for h in history if "loss" in h},
+        "evals": {h["step"]: h["eval_loss"] for h in history if "eval_loss" in h},
+        "sharded_at_build": sharded_at_build,
+        "engine": type(trainer.model_wrapped).__module__,
+    }
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(args.result, "w") as f:
+            json.dump(result, f)
+    # Left to interpreter exit, gloo's teardown sometimes aborts a rank ("terminate called
+    # without an active exception"), with DeepSpeed as with zerolap: close it while both live.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
