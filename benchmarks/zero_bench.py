@@ -279,6 +279,7 @@ def _zerolap_trainer(system: System, model, micro_batch: int) -> _Trainer:
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,  # the torch peers do not clip (DeepSpeed 0.19.8 defaults to 1.0)
         "optimizer": {
             "type": "AdamW",
             "params": {"lr": LR, "weight_decay": WEIGHT_DECAY, "fused": True},

@@ -64,6 +64,7 @@ def _engine(
     config = {
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
+        "gradient_clipping": 0.0,  # the references below do not clip
         "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.01}},
         # warmup_min_lr > 0: every step moves the weights, so a load that left them as a fresh
         # model has them cannot pass for one that restored them.

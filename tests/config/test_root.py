@@ -106,7 +106,8 @@ def test_components_receive_typed_sections():
 
 def test_defaults_follow_deepspeed():
     config = load()
-    assert config.steps_per_print == 10 and config.gradient_clipping == 0.0
+    # DeepSpeed 0.19.8's: clipping at 1.0, no progress lines.
+    assert config.steps_per_print is None and config.gradient_clipping == 1.0
     assert config.gradient_predivide_factor == 1.0 and config.prescale_gradients is False
     assert config.communication_data_type is None and config.precision == "fp32"
     assert config.optimizer is None and config.scheduler is None

@@ -31,6 +31,7 @@ def _config(stage: int, *, optimizer: bool = True, gas: int = 1, **extra) -> dic
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0.0,  # the one-process references do not clip
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
         **extra,
     }

@@ -81,6 +81,17 @@ def _aliases(engine) -> dict[str, str]:
     }
 
 
+def _client_groups(engine) -> list[list[tuple[str, bool]]] | None:
+    """Per client param group, (name, trains) of each parameter in the client's order."""
+    if engine.optimizer is None:
+        return None
+    names = _first_names(engine)
+    return [
+        [(names.get(id(p), "<not in the model>"), p.requires_grad) for p in group]
+        for group in engine.optimizer.client_groups
+    ]
+
+
 def _frozen(param) -> bool:
     return isinstance(param, torch.nn.Parameter) and not param.requires_grad
 
@@ -313,7 +324,7 @@ def _load_optimizer_state(engine, index: SegmentIndex, shards: list[dict], names
         if state:
             optimizer.inner.state[view] = state
     for group, saved in zip(optimizer.param_groups, shards[0]["param_groups"], strict=False):
-        group.update(saved)
+        group.update({k: v for k, v in saved.items() if k in group})  # this optimizer's keys
 
 
 def load_checkpoint(
@@ -336,7 +347,7 @@ def load_checkpoint(
     folder = load_dir / str(tag)
     if not folder.is_dir():
         raise CheckpointError(f"rank {dist.get_rank()}: tag {tag!r} not found in {load_dir}")
-    saved, shards = read_checkpoint(folder)
+    saved, shards = read_checkpoint(folder, _client_groups(engine))
     _check_same_model(engine, saved, folder, load_module_strict)
     index = SegmentIndex(shards)
     params = SavedParams(saved, index)

@@ -104,10 +104,17 @@ def read_latest(load_dir: Path) -> str:
     return tag
 
 
-def read_checkpoint(folder: Path) -> tuple[dict, list[dict]]:
+def read_checkpoint(folder: Path, client_groups=None) -> tuple[dict, list[dict]]:
     """The model states and every rank's shard of the checkpoint in ``folder``, saved by
-    zerolap or by DeepSpeed (converted to zerolap's form, ``checkpoint.deepspeed_format``)."""
+    zerolap or by DeepSpeed (converted to zerolap's form, ``checkpoint.deepspeed_format``;
+    ``client_groups`` names a stage-0 DeepSpeed optimizer's entries)."""
+    from zerolap.checkpoint.deepspeed_format import is_deepspeed_checkpoint, read_deepspeed
+
+    if not (folder / MODEL_FILE).is_file() and is_deepspeed_checkpoint(folder):
+        return read_deepspeed(folder, client_groups)  # stage 3: one model file per rank
     saved = read(folder / MODEL_FILE, what="model states")
+    if is_deepspeed_checkpoint(folder, saved):
+        return read_deepspeed(folder, client_groups)
     shards = [
         read(folder / optim_file(r), what=f"optimizer shard of rank {r}")
         for r in range(saved["world_size"])

@@ -67,6 +67,9 @@ class ZeroOptimizer:
         # dynamic fp16 scaling does (without changing a scale).
         self.check_overflow = check_overflow
         self.loss_scaler = loss_scaler
+        # The client's param groups as it built them, before they are re-pointed at runs:
+        # what a stage-0 DeepSpeed checkpoint's optimizer entries are numbered by.
+        self.client_groups = [list(group["params"]) for group in inner.param_groups]
         groups = slot_groups(inner, params)
         self.runs = [r for r in layout.runs(owned_ranges, groups) if r.group >= 0]
         self.positions = [to_shard(r.bucket, r.start) for r in self.runs]

@@ -1,0 +1,111 @@
+"""Write the DeepSpeed 0.19.8 checkpoints of this folder with real DeepSpeed (CPU is enough):
+
+    pip install torch==2.13.0
+    DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed==0.19.8
+    python tests/checkpoint/deepspeed_0_19_8/generate.py  # from the repository root
+
+Each case trains ``model.STEPS`` steps on 2 gloo ranks and saves ``<case>/ckpt``; then it takes
+one more step and saves in ``<case>/expected.pt`` what a resumed run must reproduce: that step's
+loss (the mean over ranks) and the fp32 parameters after it, plus the fp32 parameters in the
+checkpoint itself. Not run by the tests (they read the files); kept to say how they were made.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def worker(case: str) -> None:
+    import deepspeed
+    import torch
+
+    from tests.checkpoint.deepspeed_0_19_8.model import (
+        CASES,
+        STEPS,
+        batch,
+        build_model,
+        ds_config,
+        param_groups,
+    )
+
+    stage, world, bf16, two_groups = CASES[case]
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    model = build_model()
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=param_groups(model, two_groups),
+        config=ds_config(stage, world, bf16),
+    )
+
+    def step(number: int) -> float:
+        loss = engine(*batch(number, rank))
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().float().reshape(1)
+        torch.distributed.all_reduce(mean)
+        return mean.item() / world
+
+    def fp32_params() -> dict:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        out = {}
+        for name, param in engine.module.named_parameters():
+            if not param.requires_grad:
+                continue
+            if stage == 0 and not bf16:
+                out[name] = param.detach().float().clone()
+            elif stage == 0:  # FP16_Optimizer: the fp32 master is one flat buffer per group
+                out[name] = None
+            else:
+                out[name] = safe_get_full_fp32_param(param).detach().float().clone()
+        return out
+
+    for number in range(1, STEPS + 1):
+        step(number)
+    saved_params = fp32_params()
+    ckpt = HERE / case / "ckpt"
+    engine.save_checkpoint(str(ckpt), client_state={"client_key": 7})
+    next_loss = step(STEPS + 1)
+    expected = {"next_loss": next_loss, "saved_params": saved_params, "params_after": fp32_params()}
+    if rank == 0:
+        torch.save(expected, HERE / case / "expected.pt")
+        for extra in ("zero_to_fp32.py", "zero_to_torch.py"):
+            (ckpt / extra).unlink(missing_ok=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def launch(case: str) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    shutil.rmtree(HERE / case, ignore_errors=True)
+    (HERE / case).mkdir()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+        env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        env["PYTHONPATH"] = str(HERE.parents[2])
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", case], env=env))
+    if any(proc.wait() for proc in procs):
+        raise SystemExit(f"{case}: a rank failed")
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2])
+    else:
+        sys.path.insert(0, str(HERE.parents[2]))
+        from tests.checkpoint.deepspeed_0_19_8.model import CASES
+
+        for name in sys.argv[1:] or CASES:
+            launch(name)
+            print(f"{name}: written", flush=True)
