@@ -36,18 +36,23 @@ def runs(tmp_path_factory):
     model.save_pretrained(gpt2, safe_serialization=True)
     llama_init = root / "llama-init"  # written by the from_config run, read by its reference
 
+    gpt2_model, llama_model = ["--model", str(gpt2)], ["--model", str(llama_init)]
+    checkpoint = {
+        name: str(root / name / "checkpoint-2") for name in ("gpt2 stage 3", "llama stage 3")
+    }
     plans = {
-        "gpt2 plain": ["--model", str(gpt2)],
-        "gpt2 stage 2": ["--model", str(gpt2), "--stage", "2", "--ds-optimizer"],
-        "gpt2 stage 3": ["--model", str(gpt2), "--stage", "3"],
+        "gpt2 plain": gpt2_model,
+        "gpt2 stage 2": [*gpt2_model, "--stage", "2", "--ds-optimizer"],
+        "gpt2 stage 3": [*gpt2_model, "--stage", "3"],
         "gpt2 stage 3 resumed": [
-            "--model", str(gpt2), "--stage", "3", "--resume", str(root / "gpt2 stage 3" / "checkpoint-2"),
+            *gpt2_model, "--stage", "3", "--resume", checkpoint["gpt2 stage 3"]
         ],
-        "llama stage 3": ["--arch", "llama", "--stage", "3", "--ds-optimizer", "--init-out", str(llama_init)],
-        "llama plain": ["--model", str(llama_init)],
+        "llama stage 3": [
+            "--arch", "llama", "--stage", "3", "--ds-optimizer", "--init-out", str(llama_init)
+        ],
+        "llama plain": llama_model,
         "llama stage 2 resumed": [
-            "--model", str(llama_init), "--stage", "2", "--ds-optimizer",
-            "--resume", str(root / "llama stage 3" / "checkpoint-2"),
+            *llama_model, "--stage", "2", "--ds-optimizer", "--resume", checkpoint["llama stage 3"]
         ],
     }  # fmt: skip
 
