@@ -39,8 +39,10 @@ else:
 """
 
 
-def find_deepspeed(python: str = sys.executable) -> tuple[str, str] | None:
-    """(version, location) of the ``deepspeed`` distribution installed for ``python``."""
+def find_deepspeed(python: str | None = None) -> tuple[str, str] | None:
+    """(version, location) of the ``deepspeed`` distribution installed for ``python`` (by
+    default the interpreter running the build, the one the shim would be installed into)."""
+    python = python or sys.executable
     result = subprocess.run(
         [python, "-E", "-c", _PROBE], cwd="/", capture_output=True, text=True, check=True
     )

@@ -37,7 +37,7 @@ MODULES: dict[str, str] = {
     "checkpointing": "zerolap.checkpointing",
     "comm": "zerolap.comm",
     "launcher": "zerolap.launcher",
-    "launcher.runner": "zerolap.launcher",
+    "launcher.runner": "zerolap.launcher.runner",
     "ops": "zerolap.ops",
     "ops.adagrad": "zerolap.ops.adagrad",
     "ops.adam": "zerolap.ops.adam",

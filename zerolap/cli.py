@@ -75,7 +75,7 @@ def _run(args: argparse.Namespace) -> int:
     """Hand over to torchrun with the translated flags."""
     from torch.distributed import run as torchrun
 
-    from zerolap.launcher import torchrun_argv
+    from zerolap.launcher.runner import torchrun_argv
 
     _positive("-n/--nproc-per-node", args.nproc_per_node)
     if not 1 <= args.master_port <= 65535:

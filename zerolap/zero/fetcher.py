@@ -234,7 +234,7 @@ class ParamFetcher:
             for u, status in enumerate(store.status)
             if status == ParamStatus.AVAILABLE
             and not store.persistent[u]
-            and not store.holds[u]
+            and not store.in_use(u)
             and u not in self._prefetched
         ]
         distance = self.trace.reuse_distance

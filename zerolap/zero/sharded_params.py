@@ -74,7 +74,8 @@ class _BufferPool:
 class ActiveModules:
     """``param.ds_active_sub_modules`` (DeepSpeed's name): how many running modules hold the
     parameter's unit gathered right now. ``clear()`` drops those holds, as clients do before
-    taking the fetch hooks off (TRL's generation), so that nothing stays pinned."""
+    taking the fetch hooks off (TRL's generation); open ``GatheredParameters`` are not
+    affected."""
 
     def __init__(self, store: ShardedParams, unit: int) -> None:
         self.store, self.unit = store, unit
@@ -116,7 +117,11 @@ class ShardedParams:
         self.status = [ParamStatus.SHARDED] * len(layout.buckets)
         self._live_numel = 0  # elements of sharded units not SHARDED (see live_numel)
         self.handles: list = [None] * len(layout.buckets)
-        self.holds = [0] * len(layout.buckets)  # users that need the unit whole right now
+        # Who needs a unit whole right now: modules running (the fetcher's hooks) and open
+        # GatheredParameters contexts, counted apart so that clearing the one (a client taking
+        # the hooks off) cannot undo the other.
+        self.holds = [0] * len(layout.buckets)
+        self.pins = [0] * len(layout.buckets)
         self.unit_of = {id(p): layout.slots[i].bucket for i, p in enumerate(params)}
         self.after_write_back: list[Callable[[], None]] = []  # e.g. reload the fp32 master
         self.fetcher = None  # the ParamFetcher that gathers these units, once one is built
@@ -220,7 +225,7 @@ class ShardedParams:
 
     def release(self, unit: int) -> None:
         """Free ``unit``'s full buffer unless it is persistent or held."""
-        if self.persistent[unit] or self.holds[unit] or self.status[unit] == ParamStatus.SHARDED:
+        if self.persistent[unit] or self.in_use(unit) or self.status[unit] == ParamStatus.SHARDED:
             return
         if self.status[unit] == ParamStatus.GATHERING:
             self.wait(unit)  # the collective must complete on every rank
@@ -229,6 +234,9 @@ class ShardedParams:
             param.data = torch.empty(0, dtype=self.dtype, device=self.device)
         self._pool.drain(self.full[unit].untyped_storage())
         self._set_status(unit, ParamStatus.SHARDED)
+
+    def in_use(self, unit: int) -> bool:
+        return bool(self.holds[unit] or self.pins[unit])
 
     def release_all(self) -> None:
         for unit in range(len(self.full)):
@@ -255,14 +263,14 @@ class ShardedParams:
             self.launch(unit)
         for unit in units:
             self.wait(unit)
-            self.holds[unit] += 1
+            self.pins[unit] += 1
         return units
 
     def unhold(self, units: list[int], modifier_rank: int | None) -> None:
         if modifier_rank is not None:
             self.write_back(units, modifier_rank)
         for unit in units:
-            self.holds[unit] -= 1
+            self.pins[unit] -= 1
             self.release(unit)
 
     # -- the optimizer's side -----------------------------------------------------------------
@@ -287,7 +295,7 @@ class ShardedParams:
         """Every parameter becomes an ordinary whole tensor again (``engine.destroy()``): one
         unit gathered at a time, its parameters given their own copies, the store emptied."""
         for unit, bucket in enumerate(self.layout.buckets):
-            self.holds[unit] = 0
+            self.holds[unit] = self.pins[unit] = 0
             self.wait(unit)
             for slot in bucket.slots:
                 param = self.params[slot]

@@ -1,5 +1,5 @@
-"""One process of the ``deepspeed`` command (``zerolap.launcher``), run by torchrun as a
-script: ``launch_rank.py [--module] [--no-local-rank] --target TARGET args...``.
+"""One process of the ``deepspeed`` command (``zerolap.launcher.runner``), run by torchrun as
+a script: ``launch.py [--module] [--no-local-rank] --target TARGET args...``.
 
 DeepSpeed's launcher passes ``--local_rank=<r>`` as the first argument of the user's script;
 this adds it (from torchrun's ``LOCAL_RANK``) and runs the script, or the module with

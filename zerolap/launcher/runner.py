@@ -4,7 +4,7 @@ flags, translated to torchrun.
 DeepSpeed's example scripts are started as ``deepspeed [--num_gpus N] train.py args``, and the
 launcher puts ``--local_rank=<r>`` before each process's arguments (their parsers expect it),
 unless ``--no_local_rank``. Here torchrun starts the processes, each running
-``zerolap/launch_rank.py``, which adds that argument and runs the script (or module, with
+``zerolap/launcher/launch.py``, which adds that argument and runs the script (or module, with
 ``--module``) as ``__main__``.
 
 One node, or several with ``--no_ssh`` (each node runs the command with its ``--node_rank``, as
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     """``deepspeed [flags] script.py [args]``."""
     from torch.distributed import run as torchrun
 
-    from zerolap import launch_rank
+    from zerolap.launcher import launch
 
     args = _parser().parse_args(argv)
     problem = _refuse(args)
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"deepspeed (zerolap): {problem}", file=sys.stderr)
         return 2
     nodes = max(args.num_nodes, 1)
-    launch = torchrun_argv(
+    flags = torchrun_argv(
         nproc_per_node=_local_processes(args.num_gpus),
         nnodes=str(nodes),
         node_rank=max(args.node_rank, 0),
@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     rank_flags = ["--module"] if args.module else []
     rank_flags += ["--no-local-rank"] if args.no_local_rank else []
-    program = [launch_rank.__file__, *rank_flags, "--target", args.user_script]
-    torchrun.main([*launch, *program, *args.user_args])
+    program = [launch.__file__, *rank_flags, "--target", args.user_script]
+    torchrun.main([*flags, *program, *args.user_args])
     return 0
 
 
