@@ -199,3 +199,42 @@ def test_the_original_dict_is_not_modified():
 def test_model_validate_without_world_size_leaves_the_triangle_alone():
     config = ZerolapConfig.model_validate({"train_batch_size": 8})
     assert config.train_micro_batch_size_per_gpu is None
+
+
+def test_what_the_hugging_face_clients_hand_over_loads():
+    # Accelerate writes steps_per_print inf; TRL adds dotted top-level keys DeepSpeed ignores.
+    config = load(
+        {
+            "steps_per_print": float("inf"),
+            "zero_optimization.reduce_bucket_size": 4096,
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},
+        }
+    )
+    assert config.print_interval is None and config.zero_optimization.reduce_bucket_size == 5e8
+    assert config.unknown_keys() == [
+        "zero_optimization.reduce_bucket_size (did you mean zero_optimization?)"
+    ]
+    assert load({"steps_per_print": 2.5}).print_interval == 2
+    assert load({"steps_per_print": 0}).print_interval is None
+
+
+def test_deepspeed_0_19_8_zero_keys_load():
+    keys = {"compute_grad_norm": False, "parameter_alignment": True}
+    zero = load({"gradient_clipping": 0.0, "zero_optimization": keys})
+    assert zero.zero_optimization.compute_grad_norm is False
+    assert zero.unsupported_keys() == ["zero_optimization.parameter_alignment"]
+
+
+def test_no_gradient_norm_means_no_clipping():
+    message = load_error({"zero_optimization": {"compute_grad_norm": False}})
+    assert "zero_optimization.compute_grad_norm, gradient_clipping" in message
+    config = load({"gradient_clipping": 0, "zero_optimization": {"compute_grad_norm": False}})
+    assert config.zero_optimization.compute_grad_norm is False
+
+
+def test_leaf_module_section():
+    zero = load({"zero_optimization": {"leaf_module": {"names": "moe", "classes": []}}})
+    assert zero.zero_optimization.leaf_module.names == ["moe"]
+    assert zero.zero_optimization.leaf_module.classes == []
+    default = load().zero_optimization.leaf_module.classes
+    assert any(name.endswith("MixtralSparseMoeBlock") for name in default)

@@ -454,3 +454,48 @@ def test_safe_get_full_values_equal_one_process(ranks, stage):
                 assert got is not None and got.shape == want.shape, (kind, name)
                 assert (got - want).abs().max().item() < 1e-5, (kind, name)
         assert result["set"] and result["set_fp32"]
+
+
+# -- DeepSpeed 0.19.8's defaults and keys in force ----------------------------------------------
+
+
+def check_bf16_overflow(check: bool) -> dict:
+    config = _config(2, bf16={"enabled": True, "check_grad_overflow": check})
+    engine, *_ = zerolap.initialize(model=make_model(), config=config)
+    tokens, targets = global_batch(0, MICRO)
+    before = _whole(engine.module.parameters())
+    loss = loss_fn(engine(tokens), targets)
+    engine.backward(loss * float("nan") if dist.get_rank() == 1 else loss)  # one rank poisoned
+    engine.step()
+    after = _whole(engine.module.parameters())
+    return {
+        "skipped": engine.skipped_steps,
+        "unchanged": _max_diff(after, before) == 0.0,
+        "finite": all(torch.isfinite(p).all() for p in after),
+    }
+
+
+def test_bf16_skips_a_step_whose_gradients_are_not_finite_on_any_rank(ranks):
+    for result in ranks(2).run(check_bf16_overflow, True, timeout=TIMEOUT):
+        assert result == {"skipped": 1, "unchanged": True, "finite": True}
+    for result in ranks(2).run(check_bf16_overflow, False, timeout=TIMEOUT):
+        assert result["skipped"] == 0 and not result["finite"]  # what the check prevents
+
+
+def check_default_clipping() -> list[float]:
+    config = _config(0)
+    del config["gradient_clipping"]  # DeepSpeed 0.19.8 clips at 1.0 unless told otherwise
+    config["optimizer"] = {"type": "SGD", "params": {"lr": 1.0}}
+    engine, *_ = zerolap.initialize(model=make_model(), config=config)
+    tokens, targets = global_batch(0, MICRO)
+    before = _whole(engine.module.parameters())
+    engine.backward(loss_fn(engine(tokens), targets) * 100.0)
+    engine.step()
+    after = _whole(engine.module.parameters())
+    moved = torch.cat([(a - b).reshape(-1) for a, b in zip(after, before, strict=True)])
+    return [engine.get_global_grad_norm(), moved.norm().item()]
+
+
+def test_gradients_are_clipped_at_1_by_default(ranks):
+    for norm, moved in ranks(2).run(check_default_clipping, timeout=TIMEOUT):
+        assert norm > 10 and moved == pytest.approx(1.0, rel=1e-4)  # SGD, lr 1: the clipped norm

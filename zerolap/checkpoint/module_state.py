@@ -25,6 +25,7 @@ def full_state_dict(module: torch.nn.Module, *, exclude_frozen: bool = False) ->
     for key in entries:
         by_module.setdefault(key.rpartition(".")[0], []).append(key)
     out = {}
+    copies: dict[int, torch.Tensor] = {}  # a tied weight is one tensor under each of its keys
     for keys in by_module.values():
         sharded = [entries[k] for k in keys if is_sharded(entries[k])]
         with GatheredParameters(sharded):
@@ -32,5 +33,7 @@ def full_state_dict(module: torch.nn.Module, *, exclude_frozen: bool = False) ->
                 tensor = entries[key]
                 frozen = isinstance(tensor, torch.nn.Parameter) and not tensor.requires_grad
                 if on_rank0 and not (exclude_frozen and frozen):
-                    out[key] = tensor.detach().to("cpu", copy=True)
+                    if id(tensor) not in copies:
+                        copies[id(tensor)] = tensor.detach().to("cpu", copy=True)
+                    out[key] = copies[id(tensor)]
     return out

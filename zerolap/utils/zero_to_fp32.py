@@ -75,6 +75,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 ) -> None:
     """Write the fp32 state dict of ``checkpoint_dir/tag`` into ``output_dir``, sharded by
     ``max_shard_size`` (None: one file), as safetensors with ``safe_serialization``."""
+    limit = _parse_size(max_shard_size) if max_shard_size is not None else None
     state_dict = get_fp32_state_dict_from_zero_checkpoint(
         checkpoint_dir, tag, exclude_frozen_parameters
     )
@@ -86,7 +87,6 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         except ImportError as err:
             raise ImportError("safe_serialization=True needs `pip install safetensors`") from err
     weights = "model.safetensors" if safe_serialization else "pytorch_model.bin"
-    limit = _parse_size(max_shard_size) if max_shard_size is not None else None
     groups = _shards(state_dict, limit) if limit is not None else [list(state_dict)]
     stem, suffix = weights.rsplit(".", 1)
     weight_map = {}
