@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArguments
@@ -97,6 +98,13 @@ def main() -> None:
         seed=0,
         deepspeed=ds_config(args.stage, optimizer=args.ds_optimizer) if args.stage >= 0 else None,
     )
+    if args.stage >= 0:
+        # Real DeepSpeed's zero.Init reads the world size from deepspeed.comm, which Accelerate
+        # did not set up on a CPU-only host (it initialised torch.distributed itself): without
+        # this, DeepSpeed fails its batch-size check at stage 3. For zerolap it changes nothing.
+        import deepspeed
+
+        deepspeed.init_distributed()
     torch.manual_seed(0)
     if args.model:
         model = AutoModelForCausalLM.from_pretrained(args.model)
@@ -126,10 +134,11 @@ def main() -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.result, "w") as f:
             json.dump(result, f)
-    # Left to interpreter exit, gloo's teardown sometimes aborts a rank ("terminate called
-    # without an active exception"), with DeepSpeed as with zerolap: close it while both live.
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    # Interpreter exit tears gloo's threads down in an order that sometimes aborts a rank
+    # ("terminate called without an active exception"), with DeepSpeed as with zerolap, and a
+    # destroy_process_group racing the other rank's exit can hang: the work is done, leave.
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
