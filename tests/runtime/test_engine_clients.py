@@ -499,3 +499,52 @@ def check_default_clipping() -> list[float]:
 def test_gradients_are_clipped_at_1_by_default(ranks):
     for norm, moved in ranks(2).run(check_default_clipping, timeout=TIMEOUT):
         assert norm > 10 and moved == pytest.approx(1.0, rel=1e-4)  # SGD, lr 1: the clipped norm
+
+
+# -- torch's backward ------------------------------------------------------------------------
+
+
+class TwoHeads(torch.nn.Module):
+    """Two outputs, both in the loss: a torch-style backward reaches the engine's outputs twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model()
+        self.extra = torch.nn.Linear(13, 1)
+
+    def forward(self, tokens: torch.Tensor):
+        logits = self.body(tokens)
+        return logits, self.extra(logits).mean()
+
+
+def check_torch_style_backward(stage: int, gas: int, fp16: bool) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    results = {}
+    for style in ("engine", "torch"):
+        config = _config(stage, gas=gas)
+        if fp16:
+            config["fp16"] = {"enabled": True, "loss_scale": 64.0}
+        torch.manual_seed(0)
+        engine, *_ = zerolap.initialize(model=TwoHeads(), config=config)
+        for step in range(2):
+            tokens, targets = global_batch(step, MICRO * gas * world)
+            for micro in range(gas):
+                lo = (micro * world + rank) * MICRO
+                logits, extra = engine(tokens[lo : lo + MICRO])
+                loss = loss_fn(logits.float(), targets[lo : lo + MICRO]) + extra.float()
+                if style == "engine":
+                    engine.backward(loss)
+                else:
+                    loss.backward()  # torch's way, as DeepSpeed also accepts
+                engine.step()
+        results[style] = _whole(engine.module.parameters())
+    return {"diff": _max_diff(results["engine"], results["torch"]), "steps": engine.global_steps}
+
+
+@pytest.mark.parametrize(
+    ("stage", "gas", "fp16"),
+    [(0, 1, False), (1, 2, False), (2, 2, False), (3, 2, False), (2, 1, True)],
+)
+def test_a_plain_loss_backward_trains_as_engine_backward(ranks, stage, gas, fp16):
+    for result in ranks(2).run(check_torch_style_backward, stage, gas, fp16, timeout=TIMEOUT):
+        assert result["diff"] < 1e-6 and result["steps"] == 2

@@ -34,6 +34,26 @@ from zerolap.comm.collectives import Group, launch, nbytes
 __all__ = ["all_to_all", "all_to_all_single", "gather", "scatter"]
 
 
+def _rooted(op: str, tensor, pieces, list_name: str, role: str, root: int, group, async_op, call):
+    """Gather and scatter: the same checks and record; ``call(pieces)`` launches torch's op."""
+    info = check_group(op, group)
+    check_tensor(op, "tensor", tensor, info)
+    check_peer(op, role, root, info)
+    if check_root_list(op, list_name, pieces, role, root, info):
+        check_tensor_list(op, list_name, pieces, tensor, info)
+    else:
+        pieces = None
+    return launch(
+        op,
+        info,
+        tensor,
+        lambda: call(pieces),
+        async_op,
+        message_bytes=nbytes(tensor) * info.size,
+        root=info.ranks.index(root),
+    )
+
+
 def gather(
     tensor: torch.Tensor,
     gather_list: list[torch.Tensor] | None = None,
@@ -43,22 +63,11 @@ def gather(
 ):
     """Every rank's ``tensor`` into ``gather_list`` (one tensor per group rank, in group-rank
     order) on ``dst``; the other ranks pass no list."""
-    info = check_group("gather", group)
-    check_tensor("gather", "tensor", tensor, info)
-    check_peer("gather", "dst", dst, info)
-    if check_root_list("gather", "gather_list", gather_list, "dst", dst, info):
-        check_tensor_list("gather", "gather_list", gather_list, tensor, info)
-    else:
-        gather_list = None
-    return launch(
-        "gather",
-        info,
-        tensor,
-        lambda: torch_dist.gather(tensor, gather_list, dst, group=group, async_op=True),
-        async_op,
-        message_bytes=nbytes(tensor) * info.size,
-        root=info.ranks.index(dst),
-    )
+
+    def call(pieces):
+        return torch_dist.gather(tensor, pieces, dst, group=group, async_op=True)
+
+    return _rooted("gather", tensor, gather_list, "gather_list", "dst", dst, group, async_op, call)
 
 
 def scatter(
@@ -70,21 +79,12 @@ def scatter(
 ):
     """``src``'s ``scatter_list[i]`` into group rank i's ``tensor``; the other ranks pass no
     list."""
-    info = check_group("scatter", group)
-    check_tensor("scatter", "tensor", tensor, info)
-    check_peer("scatter", "src", src, info)
-    if check_root_list("scatter", "scatter_list", scatter_list, "src", src, info):
-        check_tensor_list("scatter", "scatter_list", scatter_list, tensor, info)
-    else:
-        scatter_list = None
-    return launch(
-        "scatter",
-        info,
-        tensor,
-        lambda: torch_dist.scatter(tensor, scatter_list, src, group=group, async_op=True),
-        async_op,
-        message_bytes=nbytes(tensor) * info.size,
-        root=info.ranks.index(src),
+
+    def call(pieces):
+        return torch_dist.scatter(tensor, pieces, src, group=group, async_op=True)
+
+    return _rooted(
+        "scatter", tensor, scatter_list, "scatter_list", "src", src, group, async_op, call
     )
 
 

@@ -15,15 +15,30 @@ import torch
 __all__ = ["DeepSpeedCPUAdam", "FusedAdam"]
 
 
-def _fused_kwargs(bias_correction: bool) -> dict:
-    if not bias_correction:
-        raise ValueError(
-            "bias_correction=False is not supported: torch's Adam always applies bias correction"
+class _Adam(torch.optim.Adam):
+    """torch's fused Adam with decoupled weight decay on or off."""
+
+    def __init__(
+        self, params, *, lr, bias_correction, betas, eps, weight_decay, amsgrad, decoupled
+    ):
+        if not bias_correction:
+            raise ValueError(
+                "bias_correction=False is not supported: torch's Adam always applies bias "
+                "correction"
+            )
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            decoupled_weight_decay=decoupled,
+            fused=True,
         )
-    return {"fused": True}
 
 
-class FusedAdam(torch.optim.Adam):
+class FusedAdam(_Adam):
     """``deepspeed.ops.adam.FusedAdam``: Adam, or AdamW with ``adam_w_mode=True`` (default)."""
 
     def __init__(
@@ -41,12 +56,12 @@ class FusedAdam(torch.optim.Adam):
         super().__init__(
             params,
             lr=lr,
+            bias_correction=bias_correction,
             betas=betas,
             eps=eps,
             weight_decay=weight_decay,
             amsgrad=amsgrad,
-            decoupled_weight_decay=adam_w_mode,
-            **_fused_kwargs(bias_correction),
+            decoupled=adam_w_mode,
         )
         self.adam_w_mode = adam_w_mode
         self.set_grad_none = set_grad_none
@@ -55,7 +70,7 @@ class FusedAdam(torch.optim.Adam):
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
 
-class DeepSpeedCPUAdam(torch.optim.Adam):
+class DeepSpeedCPUAdam(_Adam):
     """``deepspeed.ops.adam.DeepSpeedCPUAdam``: Adam, or AdamW with ``adamw_mode=True``
     (default), on whatever device the parameters are (with optimizer offload, the host).
 
@@ -79,12 +94,12 @@ class DeepSpeedCPUAdam(torch.optim.Adam):
         super().__init__(
             model_params,
             lr=lr,
+            bias_correction=bias_correction,
             betas=betas,
             eps=eps,
             weight_decay=weight_decay,
             amsgrad=amsgrad,
-            decoupled_weight_decay=adamw_mode,
-            **_fused_kwargs(bias_correction),
+            decoupled=adamw_mode,
         )
         self.adamw_mode = adamw_mode
         self.fp32_optimizer_states = fp32_optimizer_states

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from pathlib import Path
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 import zerolap.comm as dist
 from zerolap import checkpointing
@@ -64,6 +65,36 @@ def trainable_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
     """Parameters that train, deduplicated (tied weights once), in the order their gradients
     are expected in backward: the reverse of registration."""
     return [p for p in reversed(list(module.parameters())) if p.requires_grad]
+
+
+class _Entry(torch.autograd.Function):
+    """Identity on the engine's outputs; in backward, the point where gradients enter the
+    model, once each, whatever depends on what inside it (a model's loss output computed from
+    its logits output): scaled there by ``engine._entry_factor()``."""
+
+    @staticmethod
+    def forward(ctx, engine, *tensors):
+        ctx.engine = engine
+        ctx.set_materialize_grads(False)
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        factor = ctx.engine._entry_factor()
+        scaled = (g if g is None or factor == 1.0 else g * factor for g in grads)
+        return (None, *scaled)
+
+
+def _through_entry(engine, out):
+    """``out`` with each tensor that requires grad passed through one ``_Entry``."""
+    leaves, spec = tree_flatten(out)
+    wanted = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not wanted:
+        return out
+    entered = _Entry.apply(engine, *(leaves[i] for i in wanted))
+    for i, tensor in zip(wanted, entered, strict=True):
+        leaves[i] = tensor
+    return tree_unflatten(leaves, spec)
 
 
 class ZerolapEngine(torch.nn.Module):
@@ -137,6 +168,10 @@ class ZerolapEngine(torch.nn.Module):
         self.skipped_steps = 0
         self._no_sync = False
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
+        # "engine" or "torch" from a backward's opening to its closing (a plain loss.backward()
+        # opens when autograd reaches the first output)
+        self._backward_kind: str | None = None
+        self._torch_backward_start = 0.0
         self._cycle_fresh = True  # the next backward starts a new accumulation cycle
         # Who hears about phases (forward, backward, waits, optimizer): wall_clock_breakdown's
         # timers, profilers. Empty costs one loop over nothing per phase.
@@ -365,8 +400,52 @@ class ZerolapEngine(torch.nn.Module):
         if self.fetcher is not None:
             self.fetcher.begin_step()
         out = self.module(*inputs, **kwargs)
+        if self.optimizer is not None and torch.is_grad_enabled():
+            out = _through_entry(self, out)
         self._record("forward", start, time.perf_counter())
         return out
+
+    def _entry_factor(self) -> float:
+        """Called by autograd where a backward enters the model's outputs: a plain
+        ``loss.backward()`` (torch's style, which DeepSpeed supports) opens the engine's
+        backward here, and its gradients are scaled as ``engine.backward`` scales the loss
+        (fp16 loss scale over accumulation steps); the backward's end is called back by
+        autograd itself."""
+        if self._backward_kind == "engine":  # the loss was scaled already
+            return 1.0
+        if self._backward_kind is None:
+            self._open_backward("torch")
+            self._torch_backward_start = time.perf_counter()
+            torch.autograd.Variable._execution_engine.queue_callback(self._close_torch_backward)
+        return self.loss_scaler.loss_scale / self.gradient_accumulation_steps()
+
+    def _close_torch_backward(self) -> None:
+        self._close_backward(self._torch_backward_start)
+
+    def _open_backward(self, kind: str) -> None:
+        """What precedes every backward's autograd: a new accumulation cycle if one is due,
+        and the reducer told whether this micro-batch reduces."""
+        self._backward_kind = kind
+        if self._cycle_fresh:
+            self.reducer.begin_cycle()
+            self._cycle_fresh = False
+        for param in self.params:
+            param.grad = None  # the reducer's storage holds gradients, not autograd
+        reduce = self.plan.reduce_every_micro_batch or (
+            self.is_gradient_accumulation_boundary() and not self._no_sync
+        )
+        self.reducer.begin_backward(reduce)
+
+    def _close_backward(self, start: float) -> None:
+        """What follows every backward's autograd: the one wait for the reductions."""
+        autograd_end = time.perf_counter()
+        self.reducer.finish_backward()
+        if self.fetcher is not None:
+            self.fetcher.finish_backward()
+        self._record("backward", start, autograd_end)
+        self._record("backward_wait", autograd_end, time.perf_counter(), compute=False)
+        self._expose_grads()
+        self._backward_kind = None
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch ends an accumulation cycle: its backward reduces and
@@ -389,25 +468,16 @@ class ZerolapEngine(torch.nn.Module):
         ``scale_wrt_gas`` is false, and multiplied by the fp16 loss scale) and reduce gradients
         when this micro-batch is due to. Returns the loss as divided, as DeepSpeed does."""
         self._require_optimizer("backward")
-        if self._cycle_fresh:
-            self.reducer.begin_cycle()
-            self._cycle_fresh = False
-        for param in self.params:
-            param.grad = None  # the reducer's storage holds gradients, not autograd
-        reduce = self.plan.reduce_every_micro_batch or (
-            self.is_gradient_accumulation_boundary() and not self._no_sync
-        )
-        self.reducer.begin_backward(reduce)
+        self._open_backward("engine")
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         start = time.perf_counter()
-        (loss.float() * (self.loss_scaler.loss_scale / gas)).backward(retain_graph=retain_graph)
-        autograd_end = time.perf_counter()
-        self.reducer.finish_backward()
-        if self.fetcher is not None:
-            self.fetcher.finish_backward()
-        self._record("backward", start, autograd_end)
-        self._record("backward_wait", autograd_end, time.perf_counter(), compute=False)
-        self._expose_grads()
+        try:
+            scaled = loss.float() * (self.loss_scaler.loss_scale / gas)
+            scaled.backward(retain_graph=retain_graph)
+        except BaseException:
+            self._backward_kind = None
+            raise
+        self._close_backward(start)
         return loss / gas if scale_wrt_gas else loss
 
     def _expose_grads(self) -> None:
@@ -485,6 +555,7 @@ class ZerolapEngine(torch.nn.Module):
             self.reducer.remove_hooks()
         if self.fetcher is not None:
             self.fetcher.remove_hooks()
+            self.fetcher.unwatch()
             self.param_store.unshard_all()
         elif self.param_store is not None:
             self.param_store.detach_params()

@@ -31,6 +31,8 @@ from torch.utils._pytree import tree_leaves
 
 import zerolap.comm as dist
 from zerolap.utils.logging import logger
+from zerolap.zero.borrowed import owners_of, unwatch, watch
+from zerolap.zero.external import register_external_parameter
 from zerolap.zero.fetch_trace import FetchTrace
 from zerolap.zero.sharded_params import ShardedParams
 from zerolap.zero.status import ParamStatus
@@ -89,6 +91,26 @@ class ParamFetcher:
         self.backward_hooks: list = []  # parameter gradient hooks (release after backward)
         self._install_hooks()
         store.fetcher = self  # register_external_parameter finds the fetcher through a param
+        self.running: list[torch.nn.Module] = []  # hooked modules inside their forward, nested
+        sharded = [
+            p for p, keep in zip(store.params, self._persistent_of(), strict=True) if not keep
+        ]
+        self._watched = owners_of(module, sharded)
+        watch(self._watched, self)  # a read of a sharded parameter inside a forward gathers it
+
+    def _persistent_of(self) -> list[bool]:
+        """Per parameter of the store, whether its unit stays whole."""
+        slots = self.store.layout.slots
+        return [self.store.persistent[slots[i].bucket] for i in range(len(self.store.params))]
+
+    def borrow(self, param: torch.nn.Parameter) -> None:
+        """``param`` was read, sharded, while ``self.running[-1]`` runs: from now on that
+        module uses it (held until its forward ends, fetched again for its backward)."""
+        module = self.running[-1]
+        unit = self.store.unit_of[id(param)]
+        register_external_parameter(module, param)  # extends the unit lists its hooks read
+        self._fetch([unit], backward=False)
+        self.store.holds[unit] += 1  # the module's post-forward hook drops it
 
     def _install_hooks(self) -> None:
         for module, units in self._units_of.items():
@@ -128,6 +150,7 @@ class ParamFetcher:
             self._checked = True
         self.store.release_all()  # what a forward-only step left gathered, now stale or unused
         self._prefetched.clear()
+        self.running.clear()  # a forward that raised left its modules here
         self._prefetch()
 
     def _check_same_order(self) -> None:
@@ -161,6 +184,10 @@ class ParamFetcher:
         for handle in self.forward_hooks + self.backward_hooks:
             handle.remove()
         self.forward_hooks, self.backward_hooks = [], []
+
+    def unwatch(self) -> None:
+        """Give the modules plain ``_parameters`` back (``engine.destroy()``)."""
+        unwatch(self._watched)
 
     # -- DeepSpeed's offload interface, as TRL's generation drives it -------------------------
     # TRL gathers every parameter, removes the handles in forward_hooks / backward_hooks,
@@ -270,6 +297,7 @@ class ParamFetcher:
             self._fetch(units, backward=False)
             for unit in units:
                 self.store.holds[unit] += 1
+            self.running.append(module)
             frozen = [u for u in units if u >= self.store.trainable_buckets]
             if frozen and torch.is_grad_enabled():
                 self._release_after_backward(frozen, (args, kwargs))
@@ -294,6 +322,8 @@ class ParamFetcher:
 
     def _post_forward(self, units: list[int]):
         def hook(module, args, output):
+            if self.running and self.running[-1] is module:
+                self.running.pop()
             for unit in units:
                 self.store.holds[unit] -= 1
                 if not self.store.holds[unit] and not self._keep(unit):
