@@ -36,22 +36,32 @@ MODULES: dict[str, str] = {
     "checkpoint.utils": "zerolap.checkpoint.utils",
     "checkpointing": "zerolap.checkpointing",
     "comm": "zerolap.comm",
+    "compression": "zerolap.compression",
+    "compression.helper": "zerolap.compression.helper",
     "launcher": "zerolap.launcher",
     "launcher.runner": "zerolap.launcher.runner",
+    "moe": "zerolap.moe",
+    "moe.utils": "zerolap.moe.utils",
     "ops": "zerolap.ops",
     "ops.adagrad": "zerolap.ops.adagrad",
     "ops.adam": "zerolap.ops.adam",
     "runtime": "zerolap.runtime",
     "runtime.engine": "zerolap.runtime.engine",
     "runtime.lr_schedules": "zerolap.runtime.lr_schedules",
+    "runtime.utils": "zerolap.runtime.utils",
     "runtime.zero": "zerolap.zero",
     "runtime.zero.partition_parameters": "zerolap.zero.partition_parameters",
     "utils": "zerolap.utils",
     "utils.logging": "zerolap.utils.logging",
+    "utils.module_utils": "zerolap.utils.module_utils",
     "utils.zero_to_fp32": "zerolap.utils.zero_to_fp32",
     "zero": "zerolap.zero",
 }
 """DeepSpeed submodule path (below ``deepspeed.``) -> the zerolap module that answers it."""
+
+_ON_IMPORT_ONLY = frozenset({"compression.helper"})
+"""Paths ``link`` leaves alone: deprecated modules that warn when imported, so only an explicit
+import of them (as in DeepSpeed, which does not import them eagerly either) should warn."""
 
 
 def deepspeed_version(zerolap_version: str) -> str:
@@ -100,7 +110,7 @@ def link(root: ModuleType) -> None:
     """Make every path of ``MODULES`` an attribute chain from ``root`` (``zerolap``, or the
     shim's ``deepspeed``), as DeepSpeed's eager imports make them: clients write
     ``deepspeed.runtime.lr_schedules.VALID_LR_SCHEDULES`` after a bare ``import deepspeed``."""
-    for path in sorted(MODULES, key=lambda p: p.count(".")):
+    for path in sorted(MODULES.keys() - _ON_IMPORT_ONLY, key=lambda p: p.count(".")):
         parent_path, _, name = path.rpartition(".")
         parent = importlib.import_module(MODULES[parent_path]) if parent_path else root
         setattr(parent, name, importlib.import_module(MODULES[path]))

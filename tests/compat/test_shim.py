@@ -39,6 +39,7 @@ def test_the_shim_version_says_which_deepspeed_and_which_zerolap(deepspeed):
 
 
 @pytest.mark.parametrize("path", sorted(MODULES))
+@pytest.mark.filterwarnings("ignore:deepspeed.compression.helper is deprecated:FutureWarning")
 def test_every_deepspeed_path_is_the_zerolap_module(deepspeed, path):
     module = importlib.import_module(f"deepspeed.{path}")
     assert module is importlib.import_module(MODULES[path])

@@ -19,7 +19,6 @@ ACCEPTED = {
     "pipeline": {"stages": "auto"},
     "hybrid_engine": {"enabled": True},
     "compile": {"deepcompile": True},
-    "timers": {"throughput": {"enabled": True}},
     "zero_allow_untested_optimizer": True,
     "zero_force_ds_cpu_optimizer": False,
     "memory_breakdown": True,

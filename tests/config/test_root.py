@@ -111,6 +111,12 @@ def test_defaults_follow_deepspeed():
     assert config.gradient_predivide_factor == 1.0 and config.prescale_gradients is False
     assert config.communication_data_type is None and config.precision == "fp32"
     assert config.optimizer is None and config.scheduler is None
+    assert config.timers.throughput.enabled and config.timers.throughput.synchronized
+
+
+def test_the_throughput_timer_section_is_checked():
+    assert load({"timers": {"throughput": {"enabled": False}}}).timers.throughput.enabled is False
+    assert "timers.throughput.enabld" in load_error({"timers": {"throughput": {"enabld": False}}})
 
 
 def test_json_file_loads(tmp_path):

@@ -35,6 +35,9 @@ with open(f"{args.out}.{rank}", "w") as f:
             "env": os.environ["LOCAL_RANK"],
             "world": deepspeed.comm.get_world_size(),
             "steps": engine.global_steps,
+            "cores": sorted(os.sched_getaffinity(0)),
+            "omp_threads": os.environ.get("OMP_NUM_THREADS"),
+            "torch_threads": torch.get_num_threads(),
         },
         f,
     )

@@ -269,6 +269,8 @@ def check_accessors() -> dict:
         "overflow": optimizer.overflow,
         "scales": (optimizer.cur_scale, optimizer.loss_scale),
         "isinstance": isinstance(engine, zerolap.DeepSpeedEngine),
+        "optimizer_name": engine.optimizer_name(),
+        "dp_group": engine.data_parallel_group is dist.get_world_group(),
     }
 
 
@@ -278,7 +280,60 @@ def test_engine_accessors_as_clients_read_them(ranks):
         assert result["device"] == "cpu" and result["bf16"] == (True, False)
         assert result["dtype"] == {torch.bfloat16}  # initialize cast the model
         assert result["overflow"] is False and result["scales"] == (1.0, 1.0)
-        assert result["isinstance"]
+        assert result["isinstance"] and result["dp_group"]
+        assert result["optimizer_name"] == "adamw"  # built from the ds_config: its type
+
+
+def check_client_optimizer_name() -> str:
+    model = make_model()
+    engine, *_ = zerolap.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), config=_config(1)
+    )
+    return engine.optimizer_name()
+
+
+def test_optimizer_name_of_a_client_optimizer_is_its_class(ranks):
+    assert ranks(2).run(check_client_optimizer_name, timeout=TIMEOUT) == ["SGD", "SGD"]
+
+
+def check_throughput_timer(enabled: bool) -> dict:
+    config = _config(1, steps_per_print=2, timers={"throughput": {"enabled": enabled}})
+    engine, *_ = zerolap.initialize(model=make_model(), config=config)
+    timer = engine.tput_timer
+    with captured_logs() as logs:
+        for _epoch in range(2):
+            for step in range(3):
+                tokens, targets = global_batch(step, MICRO)
+                engine.backward(loss_fn(engine(tokens), targets))
+                engine.step()
+            counts = (timer.epoch_count, timer.micro_step_count, timer.global_step_count)
+            timer.update_epoch_count()
+    return {
+        "counts": counts,
+        "after_epoch": (timer.epoch_count, timer.micro_step_count),
+        "rate": timer.avg_samples_per_sec(),
+        "batch": timer.batch_size,
+        "reports": [line for line in logs if "RunningAvgSamplesPerSec" in line],
+    }
+
+
+def test_the_throughput_timer_counts_micro_and_optimizer_steps_and_reports(ranks):
+    first, second = ranks(2).run(check_throughput_timer, True, timeout=TIMEOUT)
+    for result in (first, second):
+        assert result["counts"] == (1, 3, 6) and result["after_epoch"] == (2, 0)
+        assert result["batch"] == 2 * MICRO and 0 < result["rate"] < float("inf")
+    # Steps 1-2 are not timed; rank 0 reports at steps 4 and 6 (every steps_per_print).
+    assert [r.split("/", 2)[2].split(",")[0] for r in first["reports"]] == [
+        "global_step=4",
+        "global_step=6",
+    ]
+    assert second["reports"] == []
+
+
+def test_a_disabled_throughput_timer_counts_nothing(ranks):
+    for result in ranks(2).run(check_throughput_timer, False, timeout=TIMEOUT):
+        assert result["counts"] == (1, 0, 0) and result["rate"] == float("-inf")
+        assert result["reports"] == []
 
 
 def check_fp16_overflow_flag() -> list[bool]:
@@ -531,6 +586,7 @@ def check_torch_style_backward(stage: int, gas: int, fp16: bool) -> dict:
             for micro in range(gas):
                 lo = (micro * world + rank) * MICRO
                 logits, extra = engine(tokens[lo : lo + MICRO])
+                extra *= 1.0  # in place on an output, as the Trainer scales its loss
                 loss = loss_fn(logits.float(), targets[lo : lo + MICRO]) + extra.float()
                 if style == "engine":
                     engine.backward(loss)
@@ -539,6 +595,38 @@ def check_torch_style_backward(stage: int, gas: int, fp16: bool) -> dict:
                 engine.step()
         results[style] = _whole(engine.module.parameters())
     return {"diff": _max_diff(results["engine"], results["torch"]), "steps": engine.global_steps}
+
+
+def check_manual_scale() -> dict:
+    """fp16 gradients (still carrying the loss scale at stage 0) after each way of
+    backpropagating DeepSpeed accepts."""
+    grads = {}
+    for style in ("engine", "scale", "plain"):
+        config = _config(0, fp16={"enabled": True, "loss_scale": 64.0})
+        torch.manual_seed(0)
+        engine, *_ = zerolap.initialize(model=make_model(), config=config)
+        tokens, targets = global_batch(0, MICRO)
+        loss = loss_fn(engine(tokens).float(), targets)
+        if style == "engine":
+            engine.backward(loss)
+        elif style == "scale":
+            engine.scale(loss).backward()
+        else:
+            loss.backward()
+        grads[style] = [p.grad.float().clone() for p in engine.module.parameters()]
+    return {
+        "scale": _max_diff(grads["engine"], grads["scale"]),
+        "plain": _max_diff(grads["engine"], grads["plain"]),
+        "norm": sum(g.norm().item() for g in grads["engine"]),
+    }
+
+
+def test_engine_scale_applies_the_loss_scale_once(ranks):
+    for result in ranks(2).run(check_manual_scale, timeout=TIMEOUT):
+        assert result["norm"] > 1.0  # scaled by 64: a second scaling would show
+        assert result["scale"] == 0.0
+        # scaled where the gradient enters the fp16 outputs rather than at the loss: rounding
+        assert result["plain"] < 1e-3 * result["norm"]
 
 
 @pytest.mark.parametrize(

@@ -58,8 +58,6 @@ class DeepSpeedKeys(ConfigSection):
     """DeepSpeed's CSV monitor."""
     comet: Annotated[Block, DeepSpeedOnly()] = None
     """DeepSpeed's Comet monitor."""
-    timers: Annotated[Block, DeepSpeedOnly()] = None
-    """DeepSpeed's throughput timers."""
     memory_breakdown: Annotated[bool, DeepSpeedOnly()] = False
     """DeepSpeed prints memory use at each step."""
     dump_state: Annotated[bool, DeepSpeedOnly()] = False

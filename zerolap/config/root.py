@@ -26,6 +26,7 @@ from zerolap.config.errors import ConfigError, Problem, format_validation_error
 from zerolap.config.optimizer import OptimizerConfig
 from zerolap.config.precision import BF16Config, DTypeName, FP16Config, torch_dtype
 from zerolap.config.scheduler import SchedulerConfig
+from zerolap.config.timers import TimersConfig
 from zerolap.config.zero import ZeroConfig
 
 __all__ = ["ZerolapConfig", "load_config", "parse_config", "read_config"]
@@ -82,6 +83,8 @@ class ZerolapConfig(DeepSpeedKeys):
         default_factory=ActivationCheckpointingConfig
     )
     """How ``zerolap.checkpointing`` (``deepspeed.checkpointing``) keeps checkpoint inputs."""
+    timers: TimersConfig = Field(default_factory=TimersConfig)
+    """The throughput timer (``engine.tput_timer``)."""
 
     @property
     def print_interval(self) -> int | None:
@@ -90,6 +93,14 @@ class ZerolapConfig(DeepSpeedKeys):
         if value is None or not math.isfinite(value) or value < 1:
             return None
         return int(value)
+
+    @property
+    def fp16_enabled(self) -> bool:
+        return self.fp16.enabled
+
+    @property
+    def bfloat16_enabled(self) -> bool:
+        return self.bf16.enabled
 
     @property
     def precision(self) -> Literal["fp32", "fp16", "bf16"]:

@@ -11,6 +11,11 @@ One node, or several with ``--no_ssh`` (each node runs the command with its ``--
 with DeepSpeed): torchrun's rendezvous joins them. Flags that need DeepSpeed's own multi-node
 runners (a hostfile with several hosts, ``--include``/``--exclude``, pdsh, MPI, SLURM
 launchers) are refused with a message naming the flag.
+
+``--bind_cores_to_rank`` pins each local rank to an equal share of the physical cores (or of
+``--bind_core_list``) and sets ``OMP_NUM_THREADS`` to its size, as DeepSpeed's launcher does
+with ``numactl``; here the process binds itself (``os.sched_setaffinity``), so numactl need not
+be installed. DeepSpeed's added NUMA memory policy (``numactl -m``) is not applied.
 """
 
 from __future__ import annotations
@@ -60,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("-i", "--include", default="")
     parser.add_argument("-e", "--exclude", default="")
     parser.add_argument("--launcher", default="pdsh")
+    parser.add_argument("--bind_cores_to_rank", action="store_true")
+    parser.add_argument("--bind_core_list", default=None)
     parser.add_argument("user_script")
     parser.add_argument("user_args", nargs=argparse.REMAINDER)
     return parser
@@ -67,6 +74,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def _refuse(args: argparse.Namespace) -> str | None:
     """Why these flags cannot run here, or None."""
+    from zerolap.launcher import launch
+
+    if args.bind_core_list is not None:
+        if not args.bind_cores_to_rank:
+            return "--bind_core_list needs --bind_cores_to_rank"
+        try:
+            launch.parse_core_list(args.bind_core_list)
+        except ValueError as err:
+            return str(err)
     if args.no_python:
         return "--no_python: zerolap's launcher runs Python scripts and modules only"
     if args.include or args.exclude:
@@ -119,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     rank_flags = ["--module"] if args.module else []
     rank_flags += ["--no-local-rank"] if args.no_local_rank else []
+    if args.bind_cores_to_rank:
+        rank_flags.append(f"--bind-cores={args.bind_core_list or ''}")
     program = [launch.__file__, *rank_flags, "--target", args.user_script]
     torchrun.main([*flags, *program, *args.user_args])
     return 0

@@ -26,8 +26,10 @@ import zerolap.comm as dist
 from zerolap import checkpointing
 from zerolap.accelerator import get_accelerator
 from zerolap.config import ConfigError, ZerolapConfig
+from zerolap.moe.utils import check_expert_params
 from zerolap.runtime.loss_scaler import build_loss_scaler
 from zerolap.runtime.memory import MemoryBreakdown, measure_memory
+from zerolap.runtime.throughput import ThroughputTimer
 from zerolap.runtime.timers import WallClockBreakdown
 from zerolap.utils.logging import logger
 from zerolap.zero.external import ensure_registry
@@ -76,7 +78,10 @@ class _Entry(torch.autograd.Function):
     def forward(ctx, engine, *tensors):
         ctx.engine = engine
         ctx.set_materialize_grads(False)
-        return tuple(t.view_as(t) for t in tensors)
+        # New tensors sharing storage and version counter, not views: a client may change an
+        # output in place (the Trainer scales its loss with ``loss *= ...``), which autograd
+        # forbids on the views a multi-output Function returns.
+        return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -106,6 +111,7 @@ class ZerolapEngine(torch.nn.Module):
         make_optimizer,
         make_scheduler,
         ds_config: dict | None = None,
+        optimizer_name: str | None = None,
         group=None,
     ) -> None:
         super().__init__()
@@ -124,6 +130,7 @@ class ZerolapEngine(torch.nn.Module):
             config.zero_optimization.stage, reduce_scatter=config.zero_optimization.reduce_scatter
         )
         self._warn_unsupported()
+        check_expert_params(module)
         self._configure_activation_checkpointing()
         self._unshard_unmanaged()
         self._place_module()
@@ -161,6 +168,7 @@ class ZerolapEngine(torch.nn.Module):
             self.lr_scheduler = make_scheduler(self.optimizer.inner)
             self._param_access = ParamAccess(self.optimizer, self.params)
             self.optimizer.parameter_offload = self.fetcher  # DeepSpeed's name (TRL reads it)
+        self._optimizer_name = optimizer_name
         self.destroyed = False
         self.global_steps = 0
         self.global_samples = 0
@@ -172,11 +180,17 @@ class ZerolapEngine(torch.nn.Module):
         # opens when autograd reaches the first output)
         self._backward_kind: str | None = None
         self._torch_backward_start = 0.0
+        self._loss_scaled = False  # engine.scale() applied the loss scale to the next backward
         self._cycle_fresh = True  # the next backward starts a new accumulation cycle
         # Who hears about phases (forward, backward, waits, optimizer): wall_clock_breakdown's
         # timers, profilers. Empty costs one loop over nothing per phase.
         self._phase_recorders: list = []
         module._zerolap_engine = weakref.ref(self)
+        self.tput_timer = ThroughputTimer(
+            config.timers.throughput,
+            batch_size=config.train_batch_size,
+            steps_per_output=config.print_interval,
+        )
         if config.wall_clock_breakdown:
             self.add_phase_recorder(
                 WallClockBreakdown(steps_per_print=config.print_interval, rank=self.global_rank)
@@ -397,6 +411,7 @@ class ZerolapEngine(torch.nn.Module):
 
     def forward(self, *inputs, **kwargs):
         start = time.perf_counter()
+        self.tput_timer.start()
         if self.fetcher is not None:
             self.fetcher.begin_step()
         out = self.module(*inputs, **kwargs)
@@ -417,7 +432,23 @@ class ZerolapEngine(torch.nn.Module):
             self._open_backward("torch")
             self._torch_backward_start = time.perf_counter()
             torch.autograd.Variable._execution_engine.queue_callback(self._close_torch_backward)
-        return self.loss_scaler.loss_scale / self.gradient_accumulation_steps()
+        loss_scale = 1.0 if self._loss_scaled else self.loss_scaler.loss_scale
+        return loss_scale / self.gradient_accumulation_steps()
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the fp16 loss scale, for ``engine.scale(loss).backward()``
+        (DeepSpeed's manual backward); the gradients are still divided by the accumulation
+        steps where they enter the model. A plain ``loss.backward()`` needs no call: it is
+        scaled there too."""
+        self._require_optimizer("scale")
+        if not (isinstance(loss, torch.Tensor) and loss.numel() == 1 and loss.grad_fn):
+            raise ValueError(
+                "engine.scale(loss) needs a one-element loss tensor with a grad_fn; for "
+                "another tensor call tensor.backward(gradient) directly"
+            )
+        self._loss_scaled = True
+        scale = self.loss_scaler.loss_scale
+        return loss if scale == 1.0 else loss * scale
 
     def _close_torch_backward(self) -> None:
         self._close_backward(self._torch_backward_start)
@@ -446,6 +477,7 @@ class ZerolapEngine(torch.nn.Module):
         self._record("backward_wait", autograd_end, time.perf_counter(), compute=False)
         self._expose_grads()
         self._backward_kind = None
+        self._loss_scaled = False
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch ends an accumulation cycle: its backward reduces and
@@ -495,7 +527,8 @@ class ZerolapEngine(torch.nn.Module):
         """Call after every micro-batch (or, with ``set_gradient_accumulation_boundary``, at
         the boundary only); the optimizer runs at the accumulation boundary."""
         self._require_optimizer("step")
-        if self.is_gradient_accumulation_boundary():
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             for param in self.params:
                 param.grad = None
             self.grads.settle()
@@ -517,6 +550,7 @@ class ZerolapEngine(torch.nn.Module):
             self._cycle_fresh = True
             self._report_progress()
         self.micro_steps += 1
+        self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
 
     def _report_progress(self) -> None:
         """Every ``steps_per_print`` optimizer steps, rank 0 logs where training is."""
@@ -605,6 +639,18 @@ class ZerolapEngine(torch.nn.Module):
 
     def bfloat16_enabled(self) -> bool:
         return self._config.precision == "bf16"
+
+    def optimizer_name(self) -> str | None:
+        """The ds_config's ``optimizer.type`` in lower case when the engine built the
+        optimizer from it, else the class name of the optimizer passed to ``initialize``."""
+        if self.optimizer is None or self._optimizer_name is not None:
+            return self._optimizer_name
+        return type(self.optimizer.inner).__name__
+
+    @property
+    def data_parallel_group(self):
+        """The process group gradients are averaged over."""
+        return self.group if self.group is not None else dist.get_world_group()
 
     def communication_data_type(self) -> torch.dtype:
         return self._config.communication_dtype or _DTYPES[self._config.precision]

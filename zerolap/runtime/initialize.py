@@ -126,6 +126,7 @@ def initialize(
         config=cfg,
         ds_config=ds_config,
         make_optimizer=_optimizer_factory(optimizer, model_parameters, cfg),
+        optimizer_name=cfg.optimizer.type.lower() if optimizer is None and cfg.optimizer else None,
         make_scheduler=_scheduler_factory(lr_scheduler, cfg),
     )
     loader = _dataloader(training_data, cfg, collate_fn, None)
