@@ -418,19 +418,26 @@ def _free_port() -> int:
 
 def _spawn(spec: RunSpec, system: System) -> list[RankResult]:
     """Run ``system`` on ``spec.world_size`` fresh processes; their results in rank order."""
+    return spawn(spec.world_size, _rank_main, (spec, system))
+
+
+def spawn(world_size: int, target: Callable, args: tuple) -> list:
+    """``target(rank, *args, port, results)`` on ``world_size`` fresh processes, each putting
+    ``(rank, ok, value)`` on ``results``; the values in rank order, or a RuntimeError naming
+    the rank that failed, died or gave no answer within ``TIMEOUT_S``."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(rank, spec, system, port, results), daemon=True)
-        for rank in range(spec.world_size)
+        ctx.Process(target=target, args=(rank, *args, port, results), daemon=True)
+        for rank in range(world_size)
     ]
     for proc in procs:
         proc.start()
-    answers: dict[int, RankResult] = {}
+    answers: dict = {}
     deadline = time.monotonic() + TIMEOUT_S
     try:
-        while len(answers) < spec.world_size:
+        while len(answers) < world_size:
             try:
                 rank, ok, value = results.get(timeout=1.0)
             except queue.Empty:
@@ -447,7 +454,7 @@ def _spawn(spec: RunSpec, system: System) -> list[RankResult]:
             if proc.is_alive():
                 proc.kill()
             proc.join(timeout=5)
-    return [answers[r] for r in range(spec.world_size)]
+    return [answers[r] for r in range(world_size)]
 
 
 def _other_load(ranks: list[RankResult]) -> float:

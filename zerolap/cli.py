@@ -66,6 +66,7 @@ def _demo(args: argparse.Namespace) -> int:
         model_size=args.model_size,
         config=args.config,
         out_dir=args.out,
+        offload=args.offload,
     )
     _launch_local(run_demo, args.world_size, options)
     return 0
@@ -132,21 +133,35 @@ def _count_params(target: str) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    from zerolap.profiling.estimate import estimate_model_states
+    from zerolap.profiling.estimate import estimate_offload
 
     if (args.params is None) == (args.model is None):
         raise CliError("give exactly one of --params N and --model module:factory")
     numel = args.params if args.params is not None else _count_params(args.model)
     try:
-        per_device = estimate_model_states(numel, args.world, args.precision)
+        per_device = estimate_offload(numel, args.world, args.precision)
     except ValueError as err:
         raise CliError(str(err)) from None
     print(
         f"model states per device: {numel:,.0f} parameters, {args.world} data-parallel "
         f"ranks, {args.precision} precision (Adam)"
     )
-    for stage, nbytes in per_device.items():
-        print(f"  ZeRO stage {stage}: {_decimal_bytes(nbytes)}")
+    print(
+        f"  {'':13} {'no offload':>13}   {'offload cpu: device':>19} {'+ host':>13}"
+        f"   {'offload nvme: device':>20} {'+ disk':>13}"
+    )
+    for stage, tiers in per_device.items():
+        row = f"  ZeRO stage {stage}: {_decimal_bytes(tiers['none'].device)}"
+        if "cpu" in tiers:
+            cpu, nvme = tiers["cpu"], tiers["nvme"]
+            row += (
+                f"   {_decimal_bytes(cpu.device):>19} {_decimal_bytes(cpu.host)}"
+                f"   {_decimal_bytes(nvme.device):>20} {_decimal_bytes(nvme.disk)}"
+            )
+        else:
+            row += "   (offload needs stage 1-3)"
+        print(row)
+    print("  (stage 3 offload moves the parameter shards too: offload_param)")
     return 0
 
 
@@ -201,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model-size", default="tiny", help="tiny or small (default tiny)")
     demo.add_argument("--config", help="a ds_config JSON to use instead of the built-in one")
     demo.add_argument("--out", default="runs/demo", help="output folder (default runs/demo)")
+    demo.add_argument(
+        "--offload",
+        default="none",
+        choices=["none", "cpu", "nvme"],
+        help="offload_optimizer (and offload_param at stage 3); nvme swaps to <out>/swap",
+    )
     demo.set_defaults(run=_demo)
 
     run = commands.add_parser("run", help="launch a training script through torchrun")

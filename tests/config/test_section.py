@@ -104,11 +104,11 @@ def test_unsupported_keys_names_nested_keys_with_their_deepspeed_spelling():
         "stage": 3,
         "mics_shard_size": 4,
         "stage3_module_granularity_threshold": 100,
-        "offload_param": {"device": "cpu", "buffer_count": 8},
+        "offload_optimizer": {"device": "cpu", "super_offload": True},
     }
     config = load({"zero_optimization": zero})
     assert config.unsupported_keys() == [
-        "zero_optimization.offload_param.buffer_count",
+        "zero_optimization.offload_optimizer.super_offload",
         "zero_optimization.mics_shard_size",
         "zero_optimization.stage3_module_granularity_threshold",
     ]

@@ -49,6 +49,18 @@ def test_cli_demo_runs_through_the_launcher(tmp_path):
     assert (tmp_path / "timeline.png").exists()
 
 
+def test_cli_demo_with_offload_reports_what_was_swapped(tmp_path):
+    result = _zerolap(
+        "demo", "--steps", "3", "--stage", "3", "--offload", "nvme", "--out", str(tmp_path)
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("swapped to disk") == 2  # one line per rank
+    assert list((tmp_path / "swap").iterdir()) == []  # scratch files removed at the end
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for memory in summary["memory"]:
+        assert memory["params_bytes"] < memory["swapped_bytes"]
+
+
 def test_cli_run_launches_a_deepspeed_style_script(tmp_path):
     """``zerolap run`` hands the unchanged DeepSpeed-style example to torchrun."""
     result = _zerolap(
@@ -99,6 +111,9 @@ def test_cli_estimate_and_report():
         "ZeRO stage 3:      1.875 GB",
     ):
         assert line in result.stdout
+    # offload columns: stage 2 moves the 12 bytes of master + Adam state over 64 ranks
+    stage2 = next(ln for ln in result.stdout.splitlines() if "ZeRO stage 2:" in ln)
+    assert stage2.split()[5:9] == ["15.234", "GB", "1.406", "GB"], stage2
     result = _zerolap(
         "estimate",
         "--model",

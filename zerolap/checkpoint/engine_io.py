@@ -114,7 +114,7 @@ def _shard_runs(engine, names: list[str], rank: int, exclude_frozen: bool) -> li
         store = engine.param_store
         owned = store.layout.owned_ranges(dist.get_rank(engine.group))
         optimized = optimizer.runs if optimizer is not None else []
-        pieces = collect_unoptimized(store.layout, names, optimized, owned, store.shard)
+        pieces = collect_unoptimized(store.layout, names, optimized, owned, store.shard_slice)
         if exclude_frozen:
             frozen = {n for n, p in zip(names, store.params, strict=True) if _frozen(p)}
             pieces = [r for r in pieces if r["segments"][0].name not in frozen]
@@ -274,7 +274,7 @@ def _load_params(engine, params: SavedParams, names: list[str]) -> None:
             for seg in segments_of(store.layout, names, start, end):
                 if params.has(seg.name):
                     at = base + seg.run_offset
-                    out = store.shard[at : at + seg.numel]
+                    out = store.shard_slice(at, seg.numel, write=True)
                     params.fill(seg.name, seg.param_start, seg.param_end, out)
 
 
@@ -282,19 +282,20 @@ def _load_master(engine, params: SavedParams, names: list[str]) -> None:
     """16-bit training: the fp32 master weights from the saved fp32 values, or with
     ``load_from_fp32_weights: false`` from the loaded 16-bit parameters (losing precision)."""
     optimizer = engine.optimizer
-    if optimizer is None or optimizer.master is None:
+    if optimizer is None or not optimizer.mixed:
         return
     if not engine._config.zero_optimization.load_from_fp32_weights:
         optimizer.reload_master()
         return
     with torch.no_grad():
-        for run, view in zip(optimizer.runs, optimizer.views, strict=True):
+        for i, values, _ in optimizer.visit_runs(write=True):
+            run = optimizer.runs[i]
             for seg in segments_of(engine.layout, names, run.start, run.end):
                 at = seg.run_offset
-                params.fill(seg.name, seg.param_start, seg.param_end, view[at : at + seg.numel])
+                params.fill(seg.name, seg.param_start, seg.param_end, values[at : at + seg.numel])
 
 
-def _run_state(run, view, segments, index: SegmentIndex) -> dict:
+def _run_state(run, values, segments, index: SegmentIndex) -> dict:
     """The optimizer state of one run, gathered from the saved pieces of the same parameter
     elements: per-element tensors piece by piece, per-run entries (Adam's step) from one."""
     numel = run.end - run.start
@@ -313,16 +314,16 @@ def _run_state(run, view, segments, index: SegmentIndex) -> dict:
         for key, value in source["state"].items():
             if key not in state:
                 state[key] = value.clone() if isinstance(value, torch.Tensor) else value
-    return {k: v.to(view.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+    return {k: v.to(values.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
 def _load_optimizer_state(engine, index: SegmentIndex, shards: list[dict], names) -> None:
     optimizer = engine.optimizer
-    for run, view in zip(optimizer.runs, optimizer.views, strict=True):
+    for i, values, state in optimizer.visit_runs(write=True):
+        run = optimizer.runs[i]
         segments = segments_of(engine.layout, names, run.start, run.end)
-        state = _run_state(run, view, segments, index)
-        if state:
-            optimizer.inner.state[view] = state
+        state.clear()
+        state.update(_run_state(run, values, segments, index))
     for group, saved in zip(optimizer.param_groups, shards[0]["param_groups"], strict=False):
         group.update({k: v for k, v in saved.items() if k in group})  # this optimizer's keys
 

@@ -59,41 +59,40 @@ def segments_of(layout, names: list[str], start: int, end: int) -> list[Segment]
 
 def collect_runs(optimizer, layout, names: list[str]) -> list[dict]:
     """This rank's runs: segments, fp32 values and optimizer state, as standalone tensors
-    (a saved view would drag its whole flat buffer into the file)."""
-    runs = []
-    for run, view in zip(optimizer.runs, optimizer.views, strict=True):
-        state = optimizer.inner.state.get(view, {})
-        runs.append(
-            {
-                "group": run.group,
-                "segments": segments_of(layout, names, run.start, run.end),
-                "values": view.detach().float().clone(),
-                "state": {
-                    k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-                    for k, v in state.items()
-                },
-            }
-        )
-    return runs
+    (a saved view would drag its whole flat buffer into the file; swapped runs are read in)."""
+    runs: dict[int, dict] = {}
+    for i, values, state in optimizer.visit_runs():
+        run = optimizer.runs[i]
+        runs[i] = {
+            "group": run.group,
+            "segments": segments_of(layout, names, run.start, run.end),
+            "values": values.detach().float().clone(),
+            "state": {
+                k: v.detach().clone() if isinstance(v, torch.Tensor) else v
+                for k, v in state.items()
+            },
+        }
+    return [runs[i] for i in sorted(runs)]
 
 
 def collect_unoptimized(
-    layout, names: list[str], runs, ranges: list[tuple[int, int]], shard: torch.Tensor
+    layout, names: list[str], runs, ranges: list[tuple[int, int]], shard_slice
 ) -> list[dict]:
-    """Stage 3: this rank's elements (flat ``ranges``, stored in ``shard``) of parameters that
-    no optimizer run holds, as runs of group -1 with no state. A piece of a parameter lies
-    wholly inside a run or wholly outside every run (``FlatLayout.runs`` never splits one)."""
+    """Stage 3: this rank's elements (flat ``ranges``, read by ``shard_slice(position,
+    numel)``) of parameters that no optimizer run holds, as runs of group -1 with no state. A
+    piece of a parameter is wholly covered by runs or wholly outside every run
+    (``FlatLayout.runs`` never splits one; sub-groups may cut it into several runs)."""
     out = []
     for start, end in ranges:
         for slot, lo, hi in layout.pieces(start, end):
-            if any(run.start <= lo and hi <= run.end for run in runs):
+            if any(run.start < hi and lo < run.end for run in runs):
                 continue
             pos = layout.shard_position(layout.slots[slot].bucket, lo)
             out.append(
                 {
                     "group": -1,
                     "segments": segments_of(layout, names, lo, hi),
-                    "values": shard[pos : pos + hi - lo].detach().float().clone(),
+                    "values": shard_slice(pos, hi - lo).detach().float().clone(),
                     "state": {},
                 }
             )

@@ -54,9 +54,13 @@ class ZeroConfig(ConfigSection):
     offload_param: OffloadParamConfig | None = None
     """Keep parameter shards in CPU memory (stage 3 only)."""
     offload_optimizer: OffloadOptimizerConfig | None = None
-    """Keep the optimizer state shard in CPU memory and step there (stages 1-3)."""
+    """Keep the optimizer state shard (and fp32 master) in host memory or on disk, and step
+    there (stages 1-3)."""
     sub_group_size: int = Field(1_000_000_000, ge=0)
-    """Parameter elements per group in the (offloaded) optimizer step."""
+    """Optimizer elements per sub-group: the optimizer steps a rank's elements one sub-group at
+    a time, and an offloaded sub-group is what is brought in and written back at once (0: every
+    run of one parameter group and bucket is its own). Exact here; DeepSpeed rounds up to whole
+    parameters."""
     prefetch_bucket_size: int = Field(
         50_000_000, ge=0, validation_alias=_stage3("prefetch_bucket_size")
     )
@@ -194,7 +198,4 @@ class ZeroConfig(ConfigSection):
         if offload is not None and offload.enabled and self.stage == 0:
             message = f"{ignored}: optimizer offload needs stage 1, 2 or 3"
             notes.append(Problem(("offload_optimizer",), message))
-        elif offload is not None and offload.ratio < 1.0 and self.stage != 3:
-            message = f"{ignored}: partial offload (ratio < 1) needs stage 3; all is offloaded"
-            notes.append(Problem(("offload_optimizer.ratio",), message))
         return notes

@@ -38,6 +38,22 @@ class DemoOptions:
     micro_batch: int = 16
     config: str | None = None  # a ds_config JSON path; replaces the built-in config
     out_dir: str = "runs/demo"
+    offload: str = "none"  # none, cpu or nvme: offload_optimizer (and offload_param at stage 3)
+
+
+def _offload(options: DemoOptions) -> dict:
+    """The offload blocks of the built-in config: swap files go to ``<out>/swap``."""
+    if options.offload == "none" or options.stage == 0:
+        return {}
+    block: dict = {"device": options.offload}
+    if options.offload == "nvme":
+        swap = Path(options.out_dir) / "swap"
+        swap.mkdir(parents=True, exist_ok=True)
+        block["nvme_path"] = str(swap)
+    blocks = {"offload_optimizer": dict(block, buffer_count=2), "sub_group_size": 50_000}
+    if options.stage == 3:
+        blocks["offload_param"] = dict(block, max_in_cpu=0)
+    return blocks
 
 
 def _ds_config(options: DemoOptions) -> dict | str:
@@ -59,6 +75,7 @@ def _ds_config(options: DemoOptions) -> dict | str:
             "reduce_bucket_size": 100_000,
             # Stage 3: LayerNorms stay whole, every Linear and embedding is sharded.
             "stage3_param_persistence_threshold": 10_000,
+            **_offload(options),
         },
     }
 
@@ -152,6 +169,11 @@ def _print_report(summary: dict, paths, stage: int, world: int) -> None:
             f"{m['zero_formula_bytes'] / 2**20:7.2f} MiB   + reusable buffers "
             f"{(m['bucket_buffer_bytes'] + m['param_buffer_bytes']) / 2**20:.2f} MiB"
         )
+        if m["swapped_bytes"]:
+            print(
+                f"          swapped to disk {m['swapped_bytes'] / 2**20:7.2f} MiB (not resident), "
+                f"through swap buffers of {m['swap_buffer_bytes'] / 2**20:.2f} MiB"
+            )
     ratio = summary["wire_bytes_per_step"] / summary["wire_theory_bytes"]
     print(
         f"\nbytes sent per step per rank: {summary['wire_bytes_per_step'] / 2**20:.2f} MiB = "

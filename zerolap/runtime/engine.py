@@ -27,6 +27,7 @@ from zerolap import checkpointing
 from zerolap.accelerator import get_accelerator
 from zerolap.config import ConfigError, ZerolapConfig
 from zerolap.moe.utils import check_expert_params
+from zerolap.offload import plan_offload
 from zerolap.runtime.loss_scaler import build_loss_scaler
 from zerolap.runtime.memory import MemoryBreakdown, measure_memory
 from zerolap.runtime.throughput import ThroughputTimer
@@ -131,6 +132,12 @@ class ZerolapEngine(torch.nn.Module):
         )
         self._warn_unsupported()
         check_expert_params(module)
+        self.offload = plan_offload(
+            config.zero_optimization, device=self.device, rank=self.global_rank
+        )
+        if self.global_rank == 0:
+            for note in self.offload.notes:
+                logger.info(note)
         self._configure_activation_checkpointing()
         self._unshard_unmanaged()
         self._place_module()
@@ -283,6 +290,8 @@ class ZerolapEngine(torch.nn.Module):
                 rank=rank,
                 src_rank=self._src_rank(),
                 native=native,
+                swap=self.offload.params,
+                unit_names=self.units.names,
             )
             return
         self.layout = build_layout(
@@ -386,6 +395,8 @@ class ZerolapEngine(torch.nn.Module):
             compute_norm=self._config.zero_optimization.compute_grad_norm,
             check_overflow=self._config.precision == "bf16"
             and self._config.bf16.check_grad_overflow,
+            sub_group_size=self._config.zero_optimization.sub_group_size,
+            swap=self.offload.optimizer,
         )
 
     # -- training -----------------------------------------------------------------------------
@@ -466,6 +477,8 @@ class ZerolapEngine(torch.nn.Module):
             self.is_gradient_accumulation_boundary() and not self._no_sync
         )
         self.reducer.begin_backward(reduce)
+        if self.is_gradient_accumulation_boundary():
+            self.optimizer.prefetch()  # swapped state is read while this backward runs
 
     def _close_backward(self, start: float) -> None:
         """What follows every backward's autograd: the one wait for the reductions."""
@@ -585,6 +598,8 @@ class ZerolapEngine(torch.nn.Module):
         dropped. A collective under stage 3 (parameters are gathered): call on every rank."""
         if self._param_access is not None:
             self._param_access.detach(self.params)
+        if self.optimizer is not None:
+            self.optimizer.close()  # swap files removed
         if self.reducer is not None:
             self.reducer.remove_hooks()
         if self.fetcher is not None:

@@ -8,6 +8,12 @@ fp32.
 For fp32 AdamW that is 16, 8 + 12/N and 4 + 16/N bytes. zerolap keeps no fp32 master of fp32
 weights (the optimizer steps on the flat parameter buffer itself), so ``expected_bytes`` is the
 same formula with m = 0 in fp32: 16, 8 + 8/N, 4 + 12/N.
+
+Offload to disk (``device: nvme``) moves part of that out of memory: ``swapped_bytes`` is what
+the swap files hold (optimizer state and master values, stage-3 parameter shards), and the
+buffers it streams through are ``swap_buffer_bytes``. ``total_bytes`` counts what stays
+resident, so ``total_bytes + swapped_bytes`` is the formula's figure (up to the files' 4 KiB
+alignment), and the formula is unchanged by offload.
 """
 
 from __future__ import annotations
@@ -34,12 +40,15 @@ class MemoryBreakdown:
     optimizer_state_bytes: int
     bucket_buffer_bytes: int  # reusable gradient bucket buffers, not model state
     param_buffer_bytes: int  # stage 3: pooled memory of released units, for the next gathers
+    swap_buffer_bytes: int  # offload to nvme: the buffers swapped state streams through
+    swapped_bytes: int  # offload to nvme: model state held in swap files, not in memory
     expected_bytes: float  # zerolap's formula for this stage and precision (see module doc)
     zero_formula_bytes: float  # the ZeRO / DeepSpeed formula, with an fp32 master copy
 
     @property
     def total_bytes(self) -> int:
-        """Model state: parameters, gradients, master weights and optimizer state."""
+        """Resident model state: parameters, gradients, master weights and optimizer state
+        held in memory (swapped state not included)."""
         return self.params_bytes + self.grads_bytes + self.master_bytes + self.optimizer_state_bytes
 
     def as_dict(self) -> dict:
@@ -73,6 +82,10 @@ def measure_memory(engine) -> MemoryBreakdown:
         optimizer_state_bytes=optimizer.state_bytes() if optimizer is not None else 0,
         bucket_buffer_bytes=grads.buffer_bytes() if grads is not None else 0,
         param_buffer_bytes=store.buffer_bytes() if store is not None else 0,
+        swap_buffer_bytes=(optimizer.buffer_bytes() if optimizer is not None else 0)
+        + (store.swap_buffer_bytes() if store is not None else 0),
+        swapped_bytes=(optimizer.swapped_bytes() if optimizer is not None else 0)
+        + (store.swapped_bytes() if store is not None else 0),
         expected_bytes=formula(master=4 if mixed else 0),
         zero_formula_bytes=formula(master=4 if (mixed or stage > 0) else 0),
     )

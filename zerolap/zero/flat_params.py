@@ -15,6 +15,8 @@ __all__ = ["FlatParams"]
 
 
 class FlatParams:
+    swap = None  # parameters are never swapped below stage 3
+
     def __init__(
         self,
         params: list[torch.nn.Parameter],
@@ -76,3 +78,9 @@ class FlatParams:
 
     def buffer_bytes(self) -> int:
         return 0  # nothing beyond the flat buffer itself
+
+    def swap_buffer_bytes(self) -> int:
+        return 0  # stages 0-2 keep parameters in memory
+
+    def swapped_bytes(self) -> int:
+        return 0

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 import zerolap.comm as dist
+from zerolap.utils.logging import logger
 from zerolap.zero.gathered import GatheredParameters
 from zerolap.zero.status import ParamStatus, is_sharded, mark, unmark
 
@@ -134,10 +135,16 @@ class Init:
         dtype: torch.dtype | None = None,
         mpu=None,
     ) -> None:
-        if remote_device not in (None, "cpu", "cuda"):
+        if remote_device not in (None, "cpu", "cuda", "nvme"):
             raise ValueError(
-                f"zero.Init(remote_device={remote_device!r}): zerolap keeps parameter shards on "
-                "the device the module is built on; NVMe offload is not supported"
+                f"zero.Init(remote_device={remote_device!r}): must be cpu, cuda or nvme"
+            )
+        if remote_device == "nvme":
+            # Said, not ignored: shards are built in memory and go to disk with the engine.
+            logger.info(
+                "zero.Init(remote_device='nvme'): parameter shards are built in memory and "
+                "moved to swap files when initialize() builds the engine with "
+                "offload_param.device 'nvme'"
             )
         if mpu is not None:
             raise ValueError("zero.Init(mpu=...): model parallelism is not supported by zerolap")

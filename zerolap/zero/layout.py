@@ -112,17 +112,18 @@ class FlatLayout:
         return self.shard_offset(bucket) + (flat - chunk_start) % chunk_numel
 
     def runs(self, ranges: list[tuple[int, int]], group_of: list[int]) -> list[OwnedRun]:
-        """Split flat ``ranges`` into maximal runs of parameters of one optimizer group,
-        skipping padding. ``group_of[slot]`` is the group of each parameter."""
+        """Split flat ``ranges`` into maximal runs of parameters of one optimizer group inside
+        one bucket, skipping padding. ``group_of[slot]`` is the group of each parameter. (A
+        bucket's chunk need not sit next to the previous one's: stage 3 may swap it.)"""
         runs: list[OwnedRun] = []
         for start, end in ranges:
             for slot, lo, hi in self.pieces(start, end):
-                group = group_of[slot]
+                group, bucket = group_of[slot], self.slots[slot].bucket
                 last = runs[-1] if runs else None
-                if last is not None and last.group == group and last.end == lo:
+                if last is not None and (last.group, last.bucket, last.end) == (group, bucket, lo):
                     runs[-1] = OwnedRun(group, last.start, hi, last.bucket)
                 else:
-                    runs.append(OwnedRun(group, lo, hi, self.slots[slot].bucket))
+                    runs.append(OwnedRun(group, lo, hi, bucket))
         return runs
 
     def pieces(self, start: int, end: int) -> list[tuple[int, int, int]]:

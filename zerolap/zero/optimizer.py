@@ -6,12 +6,20 @@ With fp32 parameters a run is a view of the flat parameter buffer itself (no mas
 an fp32 copy of fp32 weights would only cost memory); with fp16/bf16 parameters it is a view of
 an fp32 master shard.
 
+Runs are grouped into sub-groups of at most ``sub_group_size`` elements (``zero.sub_groups``),
+and each sub-group belongs to one *tier*: ``ResidentRuns`` keep their values and state in
+memory; with ``offload_optimizer: {device: nvme}`` the last sub-groups are ``SwappedRuns``
+(``zerolap.offload``), whose state and fp32 master values are read in, stepped and written back
+one sub-group at a time. Everything that reads or writes the per-run values and state from
+outside the step (checkpoints, state dicts, ``safe_get_full_*``) goes through ``visit_runs``,
+which does the same for the swapped ones.
+
 Phases of ``step()``:
 1. gather the owned gradient runs (fp32 copies under mixed precision);
 2. fp16 (dynamic scale), and bf16 with ``check_grad_overflow``: any non-finite value on any
    rank skips the step (fp16 also shrinks the loss scale);
 3. global norm: squares summed over owned runs, all-reduced when the optimizer is sharded;
-4. unscale and clip in one multiply, then the inner optimizer steps;
+4. unscale and clip in one divide, then the inner optimizer steps, tier by tier;
 5. mixed precision: the master runs are copied back into the 16-bit parameters;
 6. sharded: the parameter store brings the updated chunks to every rank that needs them
    (stages 1-2: every bucket all-gathered; stage 3: only the units kept whole).
@@ -20,12 +28,13 @@ Phases of ``step()``:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 import zerolap.comm as dist
 from zerolap.zero.layout import FlatLayout
+from zerolap.zero.sub_groups import split_runs
 
 __all__ = ["ZeroOptimizer"]
 
@@ -34,6 +43,53 @@ def slot_groups(optimizer: torch.optim.Optimizer, params: list[torch.nn.Paramete
     """For each parameter, the index of the client param group holding it (-1: none)."""
     where = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
     return [where.get(id(p), -1) for p in params]
+
+
+class ResidentRuns:
+    """Runs whose values and optimizer state stay in memory: their views are permanent and
+    their state lives in the inner optimizer's ``state``."""
+
+    def __init__(self, indices: list[int], views: list[torch.Tensor], inner) -> None:
+        self.indices = indices
+        self.views = views
+        self.inner = inner
+
+    def prefetch(self) -> None:
+        """Nothing to bring in."""
+
+    def step(self, step_runs: Callable[[list[int]], None]) -> None:
+        if self.indices:
+            step_runs(self.indices)
+
+    def visit(self, write: bool, only: set[int] | None) -> Iterator[tuple[int, torch.Tensor, dict]]:
+        for i in self.indices:
+            if only is not None and i not in only:
+                continue
+            view = self.views[i]
+            state = self.inner.state.get(view, {})
+            yield i, view, state
+            if write:  # an entry only for a run that has state (torch creates it lazily)
+                if state:
+                    self.inner.state[view] = state
+                else:
+                    self.inner.state.pop(view, None)
+
+    def state_bytes(self) -> int:
+        return sum(
+            t.numel() * t.element_size()
+            for i in self.indices
+            for t in self.inner.state.get(self.views[i], {}).values()
+            if isinstance(t, torch.Tensor)
+        )
+
+    def buffer_bytes(self) -> int:
+        return 0
+
+    def swapped_bytes(self) -> int:
+        return 0
+
+    def close(self) -> None:
+        """Nothing outside memory."""
 
 
 class ZeroOptimizer:
@@ -54,6 +110,8 @@ class ZeroOptimizer:
         loss_scaler,
         compute_norm: bool = True,
         check_overflow: bool = False,
+        sub_group_size: int = 1_000_000_000,
+        swap=None,
     ) -> None:
         self.inner = inner
         self.layout = layout
@@ -71,18 +129,29 @@ class ZeroOptimizer:
         # what a stage-0 DeepSpeed checkpoint's optimizer entries are numbered by.
         self.client_groups = [list(group["params"]) for group in inner.param_groups]
         groups = slot_groups(inner, params)
-        self.runs = [r for r in layout.runs(owned_ranges, groups) if r.group >= 0]
-        self.positions = [to_shard(r.bucket, r.start) for r in self.runs]
-        self.master = self._make_master(shard_numel)
-        self.reload_master()
-        self.views = [
-            self._param_view(r, pos) for r, pos in zip(self.runs, self.positions, strict=True)
-        ]
+        runs = [r for r in layout.runs(owned_ranges, groups) if r.group >= 0]
+        positions = [to_shard(r.bucket, r.start) for r in runs]
+        self.runs, self.positions, self.sub_groups = split_runs(runs, positions, sub_group_size)
+        # Mixed precision steps on an fp32 master copy; fp32 parameters are their own master,
+        # unless they are swapped to disk (offload_param nvme): then a master keeps the
+        # optimizer off the swap's few buffers, and the chunks are written once per step.
+        self.mixed = self.store.dtype != torch.float32 or self.store.swap is not None
+        # ``swap`` (offload_optimizer: nvme) decides which sub-groups live on disk; the rest
+        # stay in memory, their master values (if any) in one tensor.
+        swapped = swap.choose(self.sub_groups) if swap is not None else []
+        taken = {i for sg in swapped for i in sg.runs}
+        resident = [i for i in range(len(self.runs)) if i not in taken]
+        self.master = self._make_master(resident, shard_numel if not swapped else None)
+        self.views = [self._value_view(i, i in taken) for i in range(len(self.runs))]
         for g, group_dict in enumerate(inner.param_groups):
             group_dict["params"] = [
                 v for v, r in zip(self.views, self.runs, strict=True) if r.group == g
             ]
         inner.state.clear()
+        self.tiers = [ResidentRuns(resident, self.views, inner)]
+        if swapped:
+            self.tiers.append(swap.build(self, swapped))
+        self.reload_master()
         device = param_store.device
         # Stand-ins for a rank whose chunks hold only padding (tiny model, many ranks).
         self._true = torch.tensor(True, device=device)
@@ -94,22 +163,55 @@ class ZeroOptimizer:
         # gathers and releases parameters (clients such as TRL reach it from the optimizer).
         self.parameter_offload = None
 
-    def _make_master(self, shard_numel: int) -> torch.Tensor | None:
-        if self.store.dtype == torch.float32:
+    def _make_master(self, resident: list[int], numel: int | None) -> torch.Tensor | None:
+        """Mixed precision: the fp32 master values of the resident runs, at their shard
+        positions: the whole shard (``numel``), or with swapping the prefix the resident
+        sub-groups (the first ones) span."""
+        if not self.mixed:
             return None
-        return torch.zeros(shard_numel, dtype=torch.float32, device=self.store.device)
+        if numel is None:
+            ends = [self.positions[i] + self.runs[i].end - self.runs[i].start for i in resident]
+            numel = max(ends, default=0)
+        return torch.zeros(numel, dtype=torch.float32, device=self.store.device)
+
+    def _value_view(self, i: int, swapped: bool) -> torch.Tensor:
+        """What the inner optimizer steps for run ``i``: the parameters' own elements (fp32),
+        a slice of the master, or (swapped master) a tensor whose memory is attached only
+        while its sub-group is in a buffer."""
+        run, pos = self.runs[i], self.positions[i]
+        if not self.mixed:
+            return self.store.owned_view(run, pos)
+        if swapped:
+            return torch.empty(0, dtype=torch.float32, device=self.store.device)
+        return self.master[pos : pos + run.end - run.start]
+
+    def param_elements(self, i: int) -> torch.Tensor:
+        """The parameter store's elements of run ``i`` (in the training dtype)."""
+        return self.store.owned_view(self.runs[i], self.positions[i])
+
+    def visit_runs(
+        self, *, write: bool = False, only: set[int] | None = None
+    ) -> Iterator[tuple[int, torch.Tensor, dict]]:
+        """Every run (or those ``only`` names) as ``(index, fp32 values, optimizer state)``,
+        swapped sub-groups read in for the while: the tensors are valid until the next item.
+        With ``write``, what the caller changed in the values and the state (in place, or
+        entries of the dict replaced) is kept."""
+        for tier in self.tiers:
+            yield from tier.visit(write, only)
 
     def reload_master(self) -> None:
         """Master weights := the current (16-bit) parameters, after they were replaced."""
-        if self.master is None:
+        if not self.mixed:
             return
-        for run, pos in zip(self.runs, self.positions, strict=True):
-            self.master[pos : pos + run.end - run.start].copy_(self.store.owned_view(run, pos))
+        with torch.no_grad():
+            for i, values, _ in self.visit_runs(write=True):
+                values.copy_(self.param_elements(i))
 
-    def _param_view(self, run, pos: int) -> torch.Tensor:
-        if self.master is None:
-            return self.store.owned_view(run, pos)
-        return self.master[pos : pos + run.end - run.start]
+    def prefetch(self) -> None:
+        """Start bringing swapped state in for the next step (it does not depend on the
+        gradients, so the engine calls this as the step's last backward begins)."""
+        for tier in self.tiers:
+            tier.prefetch()
 
     @property
     def param_groups(self):
@@ -124,7 +226,7 @@ class ZeroOptimizer:
             self.grads.view(r.start, r.end, pos)
             for r, pos in zip(self.runs, self.positions, strict=True)
         ]
-        return grads if self.master is None else [g.float() for g in grads]
+        return [g.float() for g in grads] if self.mixed else grads
 
     def _agree(self, value: torch.Tensor, op: str) -> float:
         """``value`` combined over the ranks that share the optimizer (one host sync)."""
@@ -156,17 +258,25 @@ class ZeroOptimizer:
         divisor = scale
         if self.clip > 0 and norm is not None and norm + 1e-6 > self.clip:
             divisor *= (norm + 1e-6) / self.clip
-        for view, grad in zip(self.views, grads, strict=True):
-            if divisor != 1.0:
-                grad.div_(divisor)
-            view.grad = grad
-        self.inner.step()
-        for view in self.views:
-            view.grad = None
+        if divisor != 1.0:
+            torch._foreach_div_(grads, divisor)
+        for tier in self.tiers:
+            tier.step(lambda indices: self._step_runs(indices, grads))
         self.loss_scaler.update_scale(False)
         self.last_norm, self.last_applied = norm, True
-        self.copy_master_to_params()
         return True
+
+    def _step_runs(self, indices: list[int], grads: list[torch.Tensor]) -> None:
+        """One call of the inner optimizer on runs ``indices`` (those with a gradient: the
+        others are skipped by every torch optimizer), then their 16-bit parameters."""
+        for i in indices:
+            self.views[i].grad = grads[i]
+        self.inner.step()
+        for i in indices:
+            self.views[i].grad = None
+        if self.mixed:
+            for i in indices:
+                self.param_elements(i).copy_(self.views[i])
 
     def _global_norm(self, grads: list[torch.Tensor], scale: float) -> float:
         """One fused pass over the runs; squares summed in float64 across runs and ranks."""
@@ -174,12 +284,14 @@ class ZeroOptimizer:
         squares = torch.stack([n.double() for n in norms]).pow(2).sum().reshape(1)
         return math.sqrt(self._agree(squares, "sum")) / scale
 
-    def copy_master_to_params(self) -> None:
-        """Mixed precision: the owned 16-bit parameter elements := the fp32 master's."""
-        if self.master is None:
+    def copy_master_to_params(self, only: set[int] | None = None) -> None:
+        """Mixed precision: the owned 16-bit parameter elements (of runs ``only``, or all) :=
+        the fp32 master's."""
+        if not self.mixed:
             return
-        for run, pos in zip(self.runs, self.positions, strict=True):
-            self.store.owned_view(run, pos).copy_(self.master[pos : pos + run.end - run.start])
+        with torch.no_grad():
+            for i, values, _ in self.visit_runs(only=only):
+                self.param_elements(i).copy_(values)
 
     def publish(self) -> None:
         """Phase 6 (communication only): every rank receives the updated parameters."""
@@ -193,11 +305,20 @@ class ZeroOptimizer:
     loss_scale = cur_scale
 
     def state_dict(self) -> dict:
-        """This rank's optimizer state: the inner optimizer's (one entry per owned run), the
-        loss scaler's, and the runs it covers. It loads back only into the same layout (same
-        model, world size and stage); ``engine.save_checkpoint`` is the portable form."""
+        """This rank's optimizer state, as a copy: the inner optimizer's (one entry per owned
+        run, swapped ones read in), the loss scaler's, and the runs it covers. It loads back
+        only into the same layout (same model, world size, stage and ``sub_group_size``);
+        ``engine.save_checkpoint`` is the portable form."""
+        packed = self.inner.state_dict()
+        number = {id(v): k for k, v in enumerate(v for g in self.param_groups for v in g["params"])}
+        state = {}
+        for i, _, run_state in self.visit_runs():
+            if run_state:
+                state[number[id(self.views[i])]] = {
+                    k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in run_state.items()
+                }
         return {
-            "inner": self.inner.state_dict(),
+            "inner": {"state": state, "param_groups": packed["param_groups"]},
             "loss_scaler": self.loss_scaler.state_dict(),
             "runs": [(r.start, r.end) for r in self.runs],
         }
@@ -207,22 +328,40 @@ class ZeroOptimizer:
         if [tuple(r) for r in state_dict.get("runs", [])] != runs:
             raise ValueError(
                 "optimizer.load_state_dict: the state was saved for another layout (model, world "
-                "size or ZeRO stage); use engine.save_checkpoint / load_checkpoint, which load "
-                "across them"
+                "size, ZeRO stage or sub_group_size); use engine.save_checkpoint / "
+                "load_checkpoint, which load across them"
             )
         self.inner.load_state_dict(state_dict["inner"])
+        # Swapped runs' state goes to their sub-groups (resident runs' already is in place).
+        for i, _, run_state in self.visit_runs(write=True):
+            loaded = self.inner.state.get(self.views[i])
+            if loaded is not None and loaded is not run_state:
+                run_state.clear()
+                run_state.update(self.inner.state.pop(self.views[i]))
         self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients live in the engine's buffers and are cleared at each accumulation cycle."""
 
     def state_bytes(self) -> int:
-        return sum(
-            t.numel() * t.element_size()
-            for s in self.inner.state.values()
-            for t in s.values()
-            if isinstance(t, torch.Tensor)
-        )
+        """Optimizer state held in memory (swapped sub-groups: their buffers)."""
+        return sum(tier.state_bytes() for tier in self.tiers)
 
     def master_bytes(self) -> int:
-        return 0 if self.master is None else self.master.numel() * self.master.element_size()
+        """fp32 master values held in memory (none for fp32 parameters)."""
+        if self.master is None:
+            return 0
+        return self.master.numel() * self.master.element_size()
+
+    def buffer_bytes(self) -> int:
+        """Memory of the buffers swapped sub-groups pass through."""
+        return sum(tier.buffer_bytes() for tier in self.tiers)
+
+    def swapped_bytes(self) -> int:
+        """Bytes of swap file holding master values and optimizer state on disk."""
+        return sum(tier.swapped_bytes() for tier in self.tiers)
+
+    def close(self) -> None:
+        """Release what the tiers hold outside memory (swap files); the optimizer is done."""
+        for tier in self.tiers:
+            tier.close()

@@ -41,25 +41,28 @@ class ParamAccess:
             if hasattr(param, "ds_access"):
                 del param.ds_access
 
-    def _pieces(self, param):
-        """(run index, offset in the run, offset in the parameter, count) of each owned piece."""
+    def _pieces(self, param) -> dict[int, tuple[int, int, int]]:
+        """Run index -> (offset in the run, offset in the parameter, count) of each owned
+        piece of ``param``."""
         layout = self.optimizer.layout
         place = layout.slots[self.slot_of[id(param)]]
         start, end = place.offset, place.offset + place.numel
+        pieces = {}
         for i, run in enumerate(self.optimizer.runs):
             lo, hi = max(start, run.start), min(end, run.end)
             if lo < hi:
-                yield i, lo - run.start, lo - start, hi - lo
+                pieces[i] = (lo - run.start, lo - start, hi - lo)
+        return pieces
 
-    def _assemble(self, param, source) -> torch.Tensor | None:
-        """The parameter's elements from ``source(run index)`` (a tensor per run, or None),
-        summed over the ranks that share the optimizer."""
+    def _assemble(self, param, pieces: dict, tensors) -> torch.Tensor | None:
+        """The parameter's elements from ``tensors`` (``(run index, tensor or None)`` for the
+        runs in ``pieces``), summed over the ranks that share the optimizer."""
         opt = self.optimizer
         out = torch.zeros(param.ds_numel if hasattr(param, "ds_numel") else param.numel())
         found = False
-        for i, run_at, param_at, count in self._pieces(param):
-            tensor = source(i)
+        for i, tensor in tensors:
             if tensor is not None:
+                run_at, param_at, count = pieces[i]
                 out[param_at : param_at + count] = tensor[run_at : run_at + count].float().cpu()
                 found = True
         if opt.sharded:
@@ -71,44 +74,48 @@ class ParamAccess:
         return out.view(shape) if found else None
 
     def fp32_value(self, param) -> torch.Tensor:
-        return self._assemble(param, lambda i: self.optimizer.views[i])
+        pieces = self._pieces(param)
+        visited = self.optimizer.visit_runs(only=set(pieces))
+        return self._assemble(param, pieces, ((i, values) for i, values, _ in visited))
 
     def grad(self, param) -> torch.Tensor | None:
         opt = self.optimizer
-        grads = [
-            opt.grads.view(r.start, r.end, pos)
-            for r, pos in zip(opt.runs, opt.positions, strict=True)
-        ]
-        full = self._assemble(param, lambda i: grads[i])
+        pieces = self._pieces(param)
+        grads = (
+            (i, opt.grads.view(opt.runs[i].start, opt.runs[i].end, opt.positions[i]))
+            for i in pieces
+        )
+        full = self._assemble(param, pieces, grads)
         return None if full is None else full / opt.loss_scaler.loss_scale
 
     def optimizer_state(self, param, key: str) -> torch.Tensor | None:
-        opt = self.optimizer
-        state = opt.inner.state
-
-        def source(i):
-            value = state.get(opt.views[i], {}).get(key)
+        def per_element(value):
             return value if isinstance(value, torch.Tensor) and value.dim() == 1 else None
 
-        return self._assemble(param, source)
+        pieces = self._pieces(param)
+        visited = self.optimizer.visit_runs(only=set(pieces))
+        return self._assemble(
+            param, pieces, ((i, per_element(state.get(key))) for i, _, state in visited)
+        )
 
     def set_fp32_value(self, param, value: torch.Tensor) -> None:
         flat = value.detach().reshape(-1)
+        pieces = self._pieces(param)
         with torch.no_grad():
-            for i, run_at, param_at, count in self._pieces(param):
-                piece = flat[param_at : param_at + count]
-                self.optimizer.views[i][run_at : run_at + count].copy_(piece)
-        self.optimizer.copy_master_to_params()
+            for i, values, _ in self.optimizer.visit_runs(write=True, only=set(pieces)):
+                run_at, param_at, count = pieces[i]
+                values[run_at : run_at + count].copy_(flat[param_at : param_at + count])
+        self.optimizer.copy_master_to_params(only=set(pieces))
         self.optimizer.publish()
 
     def set_optimizer_state(self, param, value: torch.Tensor, key: str) -> None:
-        opt = self.optimizer
         flat = value.detach().reshape(-1)
+        pieces = self._pieces(param)
         with torch.no_grad():
-            for i, run_at, param_at, count in self._pieces(param):
-                state = opt.inner.state.get(opt.views[i], {})
+            for i, _, state in self.optimizer.visit_runs(write=True, only=set(pieces)):
                 if key not in state:
                     raise KeyError(f"optimizer state has no {key!r} (has {sorted(state)})")
+                run_at, param_at, count = pieces[i]
                 state[key][run_at : run_at + count].copy_(flat[param_at : param_at + count])
 
 

@@ -18,10 +18,15 @@ step). The pool holds at most, per buffer size, as many buffers as were ever gat
 ``drop_buffers`` (``engine.empty_partition_cache()``) empties it. On accelerators, whose caching
 allocators already reuse memory, and without torch's ``UntypedStorage._swap_data_ptr_``, the
 storage is resized to and from zero bytes instead.
+
+With ``offload_param: {device: nvme}`` the chunks of some units live in a swap file instead
+(``offload.param_swap``): ``shard`` holds only the chunks kept in memory, and every use of a
+swapped chunk (``_chunk_of``, ``shard_slice``) goes through the swap's few buffers.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 
 import torch
@@ -101,6 +106,8 @@ class ShardedParams:
         rank: int,
         src_rank: int,
         native: bool,
+        swap=None,
+        unit_names: list[str] | None = None,
     ) -> None:
         self.params = params  # in layout slot order
         self.layout = layout
@@ -109,8 +116,15 @@ class ShardedParams:
         self.group, self.rank, self.native = group, rank, native
         self.dtype, self.device = dtype, device
         self.itemsize = torch.empty((), dtype=dtype).element_size()
-        self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         self._shard_offsets = [layout.shard_offset(b.index) for b in layout.buckets]
+        self.swap = self._build_swap(swap, unit_names)  # offload_param nvme: SwappedChunks
+        # ``shard`` holds the chunks kept in memory, back to back: where each unit's starts.
+        self._resident_at, numel = {}, 0
+        for bucket in layout.buckets:
+            if self.swap is None or bucket.index not in self.swap:
+                self._resident_at[bucket.index] = numel
+                numel += bucket.chunk_numel
+        self.shard = torch.zeros(numel, dtype=dtype, device=device)
         self.numel = [b.numel for b in layout.buckets]  # elements of each unit, padding included
         self._pool = _BufferPool(device)
         self.full = [self._unallocated(b.numel) for b in layout.buckets]
@@ -129,6 +143,17 @@ class ShardedParams:
             self._adopt(bucket.index, src_rank)
 
     # -- construction -------------------------------------------------------------------------
+
+    def _build_swap(self, plan, unit_names: list[str] | None):
+        """``offload_param`` nvme: the swapped chunks, or None when every chunk stays."""
+        if plan is None:
+            return None
+        chunks = [b.chunk_numel for b in self.layout.buckets]
+        units = plan.choose(chunks, self.persistent)
+        if not units:
+            return None
+        names = {u: unit_names[u] if unit_names else f"unit {u}" for u in units}
+        return plan.build({u: chunks[u] for u in units}, self.dtype, names)
 
     def _unallocated(self, numel: int) -> torch.Tensor:
         full = torch.empty(numel, dtype=self.dtype, device=self.device)
@@ -160,7 +185,7 @@ class ShardedParams:
             mark(param, ParamStatus.SHARDED, owner=self)
         if not from_init and dist.get_world_size(self.group) > 1:
             dist.broadcast(full, src=src_rank, group=self.group)  # rank 0's initial weights
-        self._chunk_of(unit).copy_(self._own_part(unit, full))
+        self._chunk_of(unit, write=True).copy_(self._own_part(unit, full))
         for slot in bucket.slots:
             self.params[slot].ds_tensor = self._own_elements(slot)
             self.params[slot].ds_active_sub_modules = ActiveModules(self, unit)
@@ -173,17 +198,29 @@ class ShardedParams:
         place = self.layout.slots[slot]
         start, end = self.layout.buckets[place.bucket].chunk(self.rank)
         lo, hi = max(start, place.offset), min(end, place.offset + place.numel)
-        if lo >= hi:
-            return self.shard[:0]
+        if lo >= hi or (self.swap is not None and place.bucket in self.swap):
+            return self.shard[:0]  # nothing, or only on disk
         at = self.layout.shard_position(place.bucket, lo)
-        return self.shard[at : at + hi - lo]
+        return self.shard_slice(at, hi - lo)
 
     # -- gather / release ---------------------------------------------------------------------
 
-    def _chunk_of(self, unit: int) -> torch.Tensor:
-        """This rank's chunk of ``unit`` inside ``shard``."""
-        offset = self._shard_offsets[unit]
+    def _chunk_of(self, unit: int, *, write: bool = False) -> torch.Tensor:
+        """This rank's chunk of ``unit``: in ``shard``, or read into a swap buffer (valid until
+        the next swapped chunk is asked for; ``write``: the caller changes it)."""
+        if self.swap is not None and unit in self.swap:
+            return self.swap.get(unit, write=write)
+        offset = self._resident_at[unit]
         return self.shard[offset : offset + self.layout.buckets[unit].chunk_numel]
+
+    def shard_slice(self, position: int, numel: int, *, write: bool = False) -> torch.Tensor:
+        """Elements ``[position, position + numel)`` of this rank's shard, in layout shard
+        positions (one unit's chunk; ``_chunk_of`` says how long a swapped one stays valid)."""
+        # The last unit starting at or before ``position``: empty chunks share their
+        # successor's offset and come before it.
+        unit = bisect.bisect_right(self._shard_offsets, position) - 1
+        at = position - self._shard_offsets[unit]
+        return self._chunk_of(unit, write=write)[at : at + numel]
 
     def _own_part(self, unit: int, full: torch.Tensor) -> torch.Tensor:
         bucket = self.layout.buckets[unit]
@@ -276,8 +313,9 @@ class ShardedParams:
     # -- the optimizer's side -----------------------------------------------------------------
 
     def owned_view(self, run: OwnedRun, shard_pos: int) -> torch.Tensor:
-        """The shard elements of ``run``, which starts at ``shard_pos`` of this rank's shard."""
-        return self.shard[shard_pos : shard_pos + run.end - run.start]
+        """The shard elements of ``run``, which starts at ``shard_pos`` of this rank's shard
+        (a swapped chunk is marked changed: the optimizer writes what it asks for)."""
+        return self.shard_slice(shard_pos, run.end - run.start, write=True)
 
     def publish(self, *, frozen_too: bool = False) -> None:
         """After a step: gathered copies are stale. Sharded units are released (the next use
@@ -304,6 +342,9 @@ class ShardedParams:
             self.full[unit] = self._unallocated(0)
         self._pool.clear()
         self.shard = self.shard[:0]
+        if self.swap is not None:
+            self.swap.close()
+            self.swap = None
 
     def write_back(self, units: list[int], src_rank: int) -> None:
         """``src_rank`` changed the gathered values of ``units``: every rank takes them and
@@ -312,7 +353,7 @@ class ShardedParams:
             full = self.full[unit]
             if dist.get_world_size(self.group) > 1:
                 dist.broadcast(full, src=src_rank, group=self.group)
-            self._chunk_of(unit).copy_(self._own_part(unit, full))
+            self._chunk_of(unit, write=True).copy_(self._own_part(unit, full))
         for callback in self.after_write_back:
             callback()
 
@@ -330,3 +371,11 @@ class ShardedParams:
     def buffer_bytes(self) -> int:
         """Pooled memory of released units, kept for the next gathers: not model state."""
         return self._pool.nbytes()
+
+    def swap_buffer_bytes(self) -> int:
+        """offload_param nvme: the buffers swapped chunks pass through."""
+        return self.swap.buffer_bytes() if self.swap is not None else 0
+
+    def swapped_bytes(self) -> int:
+        """offload_param nvme: bytes of swap file holding chunks on disk."""
+        return self.swap.file_bytes() if self.swap is not None else 0

@@ -1,0 +1,345 @@
+"""Offload to disk (``offload_optimizer`` / ``offload_param`` on nvme) against keeping
+everything in memory: step time, resident memory, the disk's own bandwidth, how much of the I/O
+the step exposes, and the optimizer's throughput.
+
+Run from the repo root: ``python benchmarks/offload_bench.py [--quick] [--models 42m 170m]
+[--steps 4] [--rounds 3] [--swap-dir DIR]``.
+
+* Disk: the bandwidth of the swap directory's filesystem, measured first in the same run by
+  writing and reading a 512 MiB file through ``zerolap.offload.swap_file`` (direct I/O where
+  the filesystem takes it, as the swap files use).
+* Training rows: a GPT (``zerolap/demo/gpt.py``) on 2 ranks (gloo, one thread each), ZeRO-2,
+  fp32 AdamW (fused), micro-batch 1, with offload ``none`` or ``nvme`` (``sub_group_size`` 2M,
+  ``buffer_count`` 4: 64 MiB of buffers per rank); and ZeRO-3 without offload (``z3``) and
+  with both offloads on nvme (``z3-nvme``, every sharded unit's parameters swapped:
+  ``max_in_cpu`` 0). Each system runs in fresh processes, alternating in rounds; step time is
+  the slowest rank's, median over the measured steps of all rounds. Resident memory is the
+  ranks' anonymous RSS after the last step (the sum over ranks) and the model state
+  ``engine.memory_breakdown()`` counts as resident.
+* Exposed I/O = step(offloaded) - step(same stage, no offload), against the I/O a step does:
+  the bytes read and written by both ranks' swap files per step (counted by the files) over
+  the disk's measured
+  bandwidth. Target: exposed <= 25% of the I/O time, where forward + backward take longer than
+  the I/O (the reads start when the last backward does; the writes finish under the next
+  forward).
+* Optimizer throughput: elements per second of one step at one thread over a 16.8M-element
+  shard: torch's fused AdamW alone, then zerolap's step (world size 1) with the state in memory
+  and streamed from disk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.zero_bench import ENV, spawn
+
+MIB = 1 << 20
+MODELS = {  # name -> GPTConfig keywords (42m is the preset; 170m is 4.1x its parameters)
+    "42m": dict(vocab_size=8192, seq_len=256, n_layer=12, n_head=8, d_model=512),
+    "170m": dict(vocab_size=8192, seq_len=256, n_layer=13, n_head=16, d_model=1024),
+    "small": dict(vocab_size=4096, seq_len=128, n_layer=5, n_head=4, d_model=256),
+}
+SYSTEMS = {  # name -> (stage, offload_optimizer, offload_param)
+    "none": (2, False, False),
+    "nvme": (2, True, False),
+    "z3": (3, False, False),
+    "z3-nvme": (3, True, True),
+}
+BASELINE = {"nvme": "none", "z3-nvme": "z3"}  # what each offloaded row is compared with
+
+
+@dataclass
+class RankResult:
+    step_s: list[float]
+    anon_rss: int
+    resident_bytes: int
+    swapped_bytes: int
+    io_bytes_per_step: float
+    io_busy_s_per_step: float
+    loss: float
+
+
+def _anon_rss() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _swap_files(engine) -> list:
+    files = []
+    for tier in engine.optimizer.tiers[1:]:
+        files.append(tier.state.file)
+    swap = getattr(engine.param_store, "swap", None)
+    if swap is not None:
+        files.append(swap.file)
+    return files
+
+
+def _io(files) -> tuple[int, float]:
+    return (
+        sum(f.read_bytes + f.write_bytes for f in files),
+        sum(f.read_s + f.write_s for f in files),
+    )
+
+
+def _train(rank: int, model_name: str, system: str, steps: int, warmup: int, swap_dir: str):
+    import torch
+
+    import zerolap
+    import zerolap.comm as dist
+    from zerolap.demo.gpt import GPT, GPTConfig, synthetic_batch
+
+    stage, opt, param = SYSTEMS[system]
+    zero = {
+        "stage": stage,
+        "overlap_comm": True,
+        "reduce_bucket_size": 2_000_000,
+        "sub_group_size": 2_000_000,
+    }
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 100_000
+    if opt:
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": swap_dir, "buffer_count": 4}
+    if param:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": swap_dir, "max_in_cpu": 0}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+    }
+    cfg = GPTConfig(**MODELS[model_name])
+    torch.manual_seed(0)
+    engine, *_ = zerolap.initialize(model=GPT(cfg), config=config)
+    files = _swap_files(engine)
+    times, loss = [], 0.0
+    io_start = (0, 0.0)
+    for step in range(warmup + steps):
+        if step == warmup:
+            io_start = _io(files)
+        inputs, targets = synthetic_batch(cfg, 1, seed=step * 2 + rank)
+        dist.barrier()
+        began = time.perf_counter()
+        loss_t = engine(inputs, targets)
+        engine.backward(loss_t)
+        engine.step()
+        times.append(time.perf_counter() - began)
+        loss = loss_t.item()
+    # The write-back of the last step finishes under the next forward: wait for it here.
+    for tier in engine.optimizer.tiers[1:]:
+        tier.state.drain()
+    io_bytes, io_s = _io(files)
+    memory = engine.memory_breakdown()
+    result = RankResult(
+        step_s=times[warmup:],
+        anon_rss=_anon_rss(),
+        resident_bytes=memory.total_bytes,
+        swapped_bytes=memory.swapped_bytes,
+        io_bytes_per_step=(io_bytes - io_start[0]) / steps,
+        io_busy_s_per_step=(io_s - io_start[1]) / steps,
+        loss=loss,
+    )
+    engine.destroy()
+    return result
+
+
+def _rank_main(rank, world, fn, args, port, results) -> None:
+    os.environ.update(ENV)
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+    )  # fmt: skip
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        import zerolap.comm as dist
+
+        dist.init_distributed(dist_backend="gloo", verbose=False)
+        results.put((rank, True, fn(rank, *args)))
+    except BaseException:
+        import traceback
+
+        results.put((rank, False, traceback.format_exc()))
+
+
+def _spawn(world: int, fn, *args) -> list:
+    return spawn(world, _rank_main, (world, fn, args))
+
+
+# -- the disk and the optimizer on their own ------------------------------------------------
+
+
+def disk_bandwidth(directory: str, nbytes: int = 512 * MIB) -> tuple[float, float, bool]:
+    """(write, read) bytes/s of ``directory``'s filesystem through a swap file, in 64 MiB
+    transfers; and whether direct I/O was used."""
+    from zerolap.offload.swap_file import SwapFile, aligned_empty
+
+    chunk = 64 * MIB
+    buffer = aligned_empty(chunk)
+    buffer.random_(0, 255)
+    swap = SwapFile(Path(directory) / "bandwidth.swap", nbytes)
+    try:
+        began = time.perf_counter()
+        for offset in range(0, nbytes, chunk):
+            swap.write(offset, buffer, chunk)
+        os.fsync(swap._fd)
+        write = nbytes / (time.perf_counter() - began)
+        began = time.perf_counter()
+        for offset in range(0, nbytes, chunk):
+            swap.read(offset, buffer, chunk)
+        read = nbytes / (time.perf_counter() - began)
+        return write, read, swap.direct
+    finally:
+        swap.close()
+
+
+def _optimizer_rate(rank: int, system: str, swap_dir: str, repeats: int) -> dict:
+    """Elements per second of one optimizer step (engine at world size 1) or of torch's fused
+    AdamW alone, over a 4096 x 4096 weight."""
+    import torch
+
+    import zerolap
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4096, 4096, bias=False)
+    numel = model.weight.numel()
+    times = []
+    if system == "fused AdamW":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        model.weight.grad = torch.randn_like(model.weight)
+        for _ in range(repeats + 1):
+            began = time.perf_counter()
+            optimizer.step()
+            times.append(time.perf_counter() - began)
+        return {"numel": numel, "step_s": statistics.median(times[1:])}
+    zero = {"stage": 1, "sub_group_size": 2_000_000}
+    if system == "zerolap nvme":
+        zero["offload_optimizer"] = {"device": "nvme", "nvme_path": swap_dir}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": zero,
+    }
+    engine, *_ = zerolap.initialize(model=model, config=config)
+    x = torch.randn(1, 4096)
+    for _ in range(repeats + 1):
+        engine.backward(engine(x).sum())
+        began = time.perf_counter()  # (the reads began with the backward, as in training)
+        engine.step()
+        for tier in engine.optimizer.tiers[1:]:
+            tier.state.drain()  # the write-back counts here: nothing else runs meanwhile
+        times.append(time.perf_counter() - began)
+    engine.destroy()
+    return {"numel": numel, "step_s": statistics.median(times[1:])}
+
+
+# -- the run ---------------------------------------------------------------------------------
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=None, choices=sorted(MODELS))
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--swap-dir", default=None, help="where swap files go (default: a temp dir)"
+    )
+    parser.add_argument("--quick", action="store_true", help="small model, 1 round, 2 steps")
+    return parser.parse_args(argv)
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / (1 << 30):.2f}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    if args.quick:
+        args.models, args.rounds, args.steps, args.warmup = ["small"], 1, 2, 1
+    models = args.models or ["42m", "170m"]
+    with tempfile.TemporaryDirectory(dir=args.swap_dir, prefix="zerolap-offload-") as swap:
+        write_bw, read_bw, direct = disk_bandwidth(swap)
+        print(
+            f"disk under {swap}: write {write_bw / MIB:,.0f} MiB/s, read {read_bw / MIB:,.0f} "
+            f"MiB/s ({'direct' if direct else 'buffered'} I/O, 64 MiB transfers)\n"
+        )
+        io_bw = 2 / (1 / write_bw + 1 / read_bw)  # as much is read as written per step
+        for model in models:
+            runs: dict[str, list] = {name: [] for name in args.systems}
+            for rnd in range(args.rounds):
+                order = args.systems if rnd % 2 == 0 else list(reversed(args.systems))
+                for name in order:
+                    runs[name].append(_spawn(2, _train, model, name, args.steps, args.warmup, swap))
+            _print_model(model, runs, io_bw)
+        _print_optimizer(swap)
+    return 0
+
+
+def _summary(rounds: list[list[RankResult]]) -> dict:
+    steps = [max(s) for ranks in rounds for s in zip(*(r.step_s for r in ranks), strict=True)]
+    last = rounds[-1]
+    return {
+        "step_s": statistics.median(steps),
+        "anon_rss": statistics.median(sum(r.anon_rss for r in ranks) for ranks in rounds),
+        "resident": sum(r.resident_bytes for r in last),
+        "swapped": sum(r.swapped_bytes for r in last),
+        "io_bytes": sum(r.io_bytes_per_step for r in last),
+        "io_busy_s": max(r.io_busy_s_per_step for r in last),
+        "loss": last[0].loss,
+    }
+
+
+def _print_model(model: str, runs: dict, io_bw: float) -> None:
+    rows = {name: _summary(rounds) for name, rounds in runs.items()}
+    print(f"model {model}, 2 ranks, median step over {sum(len(r) for r in runs['none'])} runs")
+    print(
+        f"  {'system':10} {'step':>8} {'vs base':>8} {'anon RSS':>9} {'state in':>9} "
+        f"{'swapped':>8} {'I/O/step':>9} {'I/O time':>9} {'exposed':>8} {'exp/I/O':>8} {'loss':>8}"
+    )
+    for name, row in rows.items():
+        base = rows.get(BASELINE.get(name, name), row)
+        io_time = row["io_bytes"] / io_bw
+        exposed = row["step_s"] - base["step_s"]
+        share = f"{exposed / io_time:8.0%}" if io_time else f"{'-':>8}"
+        print(
+            f"  {name:10} {row['step_s'] * 1e3:6.0f}ms {row['step_s'] / base['step_s']:7.2f}x "
+            f"{_gib(row['anon_rss']):>6}GiB {_gib(row['resident']):>6}GiB "
+            f"{_gib(row['swapped']):>5}GiB {_gib(row['io_bytes']):>6}GiB "
+            f"{io_time * 1e3:7.0f}ms {exposed * 1e3:6.0f}ms {share} {row['loss']:8.4f}"
+        )
+    print(
+        "  (anon RSS and state: both ranks together; I/O time = bytes / the disk's bandwidth;"
+        " exposed = step - step of the same stage without offload)\n"
+    )
+
+
+def _print_optimizer(swap: str) -> None:
+    print("optimizer step, one thread, 16.8M fp32 elements (AdamW):")
+    fused = None
+    for system in ("fused AdamW", "zerolap in memory", "zerolap nvme"):
+        result = _spawn(1, _optimizer_rate, system, swap, 5)[0]
+        rate = result["numel"] / result["step_s"]
+        fused = fused or rate
+        print(
+            f"  {system:18} {result['step_s'] * 1e3:7.1f} ms  {rate / 1e6:7.1f} M elements/s"
+            f"  {rate / fused:5.2f}x fused"
+        )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,288 @@
+"""Training with ``offload_optimizer`` / ``offload_param`` on nvme gives the parameters of the
+same run without offload, bit for bit in fp32 and in bf16/fp16 (the same operations on the same
+values, only stored elsewhere), at stages 1-3 with accumulation and clipping; checkpoints carry
+the swapped state across world sizes and stages; a damaged swap file or a bad ``nvme_path`` is
+a named error."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import zerolap
+import zerolap.comm as dist
+from tests.logs import captured_logs
+from tests.zero.models import global_batch, loss_fn, make_model
+from zerolap.config import ConfigError
+from zerolap.offload.swap_file import SwapError
+
+MICRO, GAS, STEPS = 2, 2, 3
+
+
+def _config(stage, *, dtype=None, opt=None, param=None, sub_group=100, micro=MICRO, gas=GAS):
+    zero = {
+        "stage": stage,
+        "sub_group_size": sub_group,
+        "reduce_bucket_size": 200,
+        "stage3_param_persistence_threshold": 0,
+    }
+    if opt is not None:
+        zero["offload_optimizer"] = opt
+    if param is not None:
+        zero["offload_param"] = param
+    config = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": 0.3,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+    }
+    if dtype is not None:
+        config[dtype] = {"enabled": True}
+    return config
+
+
+def _train(engine, steps: range, micro: int = MICRO, gas: int = GAS) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for step in steps:
+        tokens, targets = global_batch(step, MICRO * GAS * 2)  # the same samples at any world size
+        per_rank = len(tokens) // world
+        for m in range(gas):
+            lo = rank * per_rank + m * micro
+            logits = engine(tokens[lo : lo + micro], use_sometimes=step % 2 == 0)
+            engine.backward(loss_fn(logits.float(), targets[lo : lo + micro]))
+            engine.step()
+
+
+def _params(engine) -> list[torch.Tensor]:
+    params = list(engine.module.parameters())
+    with zerolap.zero.GatheredParameters(params):
+        return [p.detach().float().clone() for p in params]
+
+
+def _run(config) -> tuple[list[torch.Tensor], dict, object]:
+    engine, optimizer, *_ = zerolap.initialize(model=make_model(), config=config)
+    _train(engine, range(STEPS))
+    out = _params(engine), optimizer.state_dict()["inner"]["state"], engine.memory_breakdown()
+    engine.destroy()
+    return out
+
+
+def _mine(directory: str) -> list[str]:
+    return [n for n in os.listdir(directory) if f"rank{dist.get_rank()}-" in n]
+
+
+VARIANTS = [
+    # (stage, dtype, offload_optimizer extras, offload_param at stage 3)
+    (1, None, {}, False),
+    (2, None, {}, False),
+    (3, None, {}, True),
+    (3, None, {}, False),
+    (2, None, {"ratio": 0.5, "pipeline_read": False, "pipeline_write": False}, False),
+    (3, None, {"ratio": 0.4, "buffer_count": 1}, True),
+    (1, "fp16", {}, False),
+    (2, "bf16", {}, False),
+    (3, "bf16", {}, True),
+]
+
+
+def check_parity(directory: str) -> list[str]:
+    failures = []
+    for stage, dtype, extra, with_param in VARIANTS:
+        want, want_state, plain = _run(_config(stage, dtype=dtype))
+        opt = {"device": "nvme", "nvme_path": directory, "buffer_count": 2, **extra}
+        param = {"device": "nvme", "nvme_path": directory, "max_in_cpu": 0} if with_param else None
+        got, got_state, memory = _run(_config(stage, dtype=dtype, opt=opt, param=param))
+        name = f"stage {stage} {dtype or 'fp32'} {extra} param={with_param}"
+        if not all(torch.equal(g, w) for g, w in zip(got, want, strict=True)):
+            failures.append(f"{name}: parameters differ")
+        for k, entry in want_state.items():
+            for key, value in entry.items():
+                if not torch.equal(torch.as_tensor(got_state[k][key]), torch.as_tensor(value)):
+                    failures.append(f"{name}: state {k}.{key} differs")
+        if _mine(directory):
+            failures.append(f"{name}: swap files left: {_mine(directory)}")
+        # What left memory is on disk: resident + swapped covers the in-memory run's state.
+        if memory.swapped_bytes <= 0 or memory.swap_buffer_bytes <= 0:
+            failures.append(f"{name}: nothing reported swapped ({memory})")
+        if extra.get("ratio", 1.0) == 1.0:
+            moved = plain.optimizer_state_bytes - memory.optimizer_state_bytes
+            if moved < 0.95 * plain.optimizer_state_bytes:
+                failures.append(f"{name}: only {moved} of {plain.optimizer_state_bytes} moved")
+        if with_param and memory.params_bytes >= plain.params_bytes:
+            failures.append(f"{name}: parameter shard still resident ({memory.params_bytes})")
+    return failures
+
+
+def test_offloaded_runs_equal_in_memory_runs_bitwise(ranks, tmp_path):
+    failures = ranks(2).run(check_parity, str(tmp_path), timeout=400)
+    assert failures == [[], []], failures
+    assert os.listdir(tmp_path) == []
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+def save_and_continue(directory: str, ckpt: str, offload: bool) -> list[torch.Tensor]:
+    """Stage 3 on 2 ranks (with both offloads, or none): 2 steps, save, a third step."""
+    opt = {"device": "nvme", "nvme_path": directory} if offload else None
+    param = {"device": "nvme", "nvme_path": directory, "max_in_cpu": 0} if offload else None
+    engine, *_ = zerolap.initialize(
+        model=make_model(), config=_config(3, opt=opt, param=param, sub_group=50)
+    )
+    _train(engine, range(2))
+    engine.save_checkpoint(ckpt, tag="two")
+    _train(engine, range(2, 3))
+    out = _params(engine)
+    engine.destroy()
+    return out
+
+
+def resume(directory: str, ckpt: str, stage: int, offload: bool) -> list[torch.Tensor]:
+    """Load ``ckpt`` at this world size and ``stage`` (offload on or off) and take the third
+    step, with the same samples split over this world's ranks."""
+    world = dist.get_world_size()
+    micro = MICRO * 2 // world
+    opt = {"device": "nvme", "nvme_path": directory, "buffer_count": 1} if offload else None
+    param = {"device": "nvme", "nvme_path": directory, "max_in_cpu": 0} if offload else None
+    config = _config(stage, opt=opt, param=param if stage == 3 else None, micro=micro)
+    engine, *_ = zerolap.initialize(model=make_model(seed=5), config=config)
+    engine.load_checkpoint(ckpt, tag="two")
+    _train(engine, range(2, 3), micro=micro)
+    out = _params(engine)
+    engine.destroy()
+    return out
+
+
+def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b, strict=True))
+
+
+def test_checkpoint_with_offload_resumes_elsewhere_without_it(ranks, tmp_path):
+    ckpt, swap = str(tmp_path / "ckpt"), str(tmp_path)
+    want = ranks(2).run(save_and_continue, swap, ckpt, True)[0]
+    # One process, stage 1, no offload: the swapped state came along in the checkpoint.
+    got = ranks(1).run(resume, swap, ckpt, 1, False)[0]
+    assert _close(got, want) < 1e-5
+    # Two processes, stage 3 with offload again (state loaded into fresh swap files).
+    got = ranks(2).run(resume, swap, ckpt, 3, True)[0]
+    assert _close(got, want) < 1e-6
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_checkpoint_without_offload_resumes_with_it(ranks, tmp_path):
+    ckpt, swap = str(tmp_path / "ckpt"), str(tmp_path)
+    want = ranks(2).run(save_and_continue, swap, ckpt, False)[0]
+    got = ranks(1).run(resume, swap, ckpt, 3, True)[0]
+    assert _close(got, want) < 1e-5
+
+
+# -- faults ---------------------------------------------------------------------------------------
+
+
+def damage_then_step(directory: str, how: str) -> str:
+    config = _config(2, opt={"device": "nvme", "nvme_path": directory, "buffer_count": 1})
+    engine, *_ = zerolap.initialize(model=make_model(), config=config)
+    _train(engine, range(1))
+    swapped = engine.optimizer.tiers[-1].state
+    swapped.drain()  # the last write-back is done
+    path = swapped.file.path
+    if how == "cut":
+        os.truncate(path, 4096)
+    else:
+        with open(path, "r+b") as f:
+            f.seek(4096 + 10)
+            f.write(b"\xff\xff\xff\xff")
+    messages = []
+    for step in (1, 2):  # the second attempt is refused too: the state is not trusted again
+        with pytest.raises(SwapError) as caught:
+            _train(engine, range(step, step + 1))
+        messages.append(str(caught.value))
+    engine.destroy()
+    assert not path.exists()
+    return "\n".join([*messages, str(path)])
+
+
+@pytest.mark.parametrize(
+    ("how", "message"), [("cut", "cut short"), ("changed", "checksum mismatch")]
+)
+def test_a_damaged_swap_file_is_a_named_error(ranks, tmp_path, how, message):
+    answers = ranks(2).run(damage_then_step, str(tmp_path), how)
+    for text in answers:
+        first, second, path = text.split("\n")
+        assert message in first and path in first
+        assert path in second
+
+
+def build(config) -> str:
+    try:
+        zerolap.initialize(model=make_model(), config=config)
+    except (ConfigError, SwapError) as err:
+        return f"{type(err).__name__}: {err}"
+    return "built"
+
+
+@pytest.mark.parametrize("block", ["offload_optimizer", "offload_param"])
+def test_a_missing_nvme_path_fails_before_training(ranks, tmp_path, block):
+    missing = str(tmp_path / "nowhere")
+    config = _config(3)
+    config["zero_optimization"][block] = {"device": "nvme", "nvme_path": missing}
+    answer = ranks(1).run(build, config)[0]
+    key = f"zero_optimization.{block}.nvme_path"
+    assert answer == f"ConfigError: {key}: {missing} is not an existing directory"
+
+
+@pytest.fixture
+def mount_tmpfs(tmp_path):
+    """Mount a small tmpfs with the given options (needs the right to mount; else skip)."""
+    mounted = []
+
+    def mount(options: str) -> Path:
+        where = tmp_path / f"fs{len(mounted)}"
+        where.mkdir()
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], capture_output=True
+        )
+        if done.returncode != 0:
+            pytest.skip("cannot mount a tmpfs here")
+        mounted.append(where)
+        return where
+
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", str(where)], check=False)
+
+
+def test_unwritable_or_full_nvme_path_fails_before_training(ranks, mount_tmpfs):
+    readonly = mount_tmpfs("ro,size=1m")
+    config = _config(2, opt={"device": "nvme", "nvme_path": str(readonly)})
+    answer = ranks(1).run(build, config)[0]
+    assert answer == (
+        f"ConfigError: zero_optimization.offload_optimizer.nvme_path: {readonly} is not writable"
+    )
+    tiny = mount_tmpfs("size=8k")
+    config = _config(2, opt={"device": "nvme", "nvme_path": str(tiny)}, sub_group=0)
+    answer = ranks(1).run(build, config)[0]
+    assert answer.startswith(f"SwapError: cannot allocate swap file {tiny}/")
+    assert "No space left on device" in answer and "free on" in answer
+    assert os.listdir(tiny) == []
+
+
+def offload_cpu_notes() -> list[str]:
+    config = _config(3, opt={"device": "cpu"}, param={"device": "cpu"})
+    with captured_logs() as messages:
+        engine, *_ = zerolap.initialize(model=make_model(), config=config)
+    engine.destroy()
+    return [m for m in messages if "offload" in m]
+
+
+def test_cpu_offload_on_a_cpu_host_is_said_once(ranks):
+    notes = ranks(1).run(offload_cpu_notes)[0]
+    assert len(notes) == 2, notes
+    assert notes[0].startswith("INFO: zero_optimization.offload_optimizer.device 'cpu'")
+    assert "already live in host memory" in notes[0]
+    assert notes[1].startswith("INFO: zero_optimization.offload_param.device 'cpu'")

@@ -1,0 +1,140 @@
+"""The disk tier's parts on their own: swap files (round trip, named errors for a file cut short,
+changed underneath, never written, a full disk), sub-groups, the optimizer's swapped state and the
+parameter chunk cache."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from zerolap.config import ConfigError
+from zerolap.offload.optimizer_swap import Field, SwappedState
+from zerolap.offload.param_swap import ParamSwapPlan
+from zerolap.offload.swap_file import SwapError, SwapFile, aligned_empty
+from zerolap.zero.layout import OwnedRun
+from zerolap.zero.sub_groups import split_runs
+
+
+def _filled(values: torch.Tensor) -> torch.Tensor:
+    buffer = aligned_empty(values.numel() * values.element_size())
+    buffer[: values.numel() * values.element_size()].view(values.dtype).copy_(values)
+    return buffer
+
+
+def test_round_trip_and_removal(tmp_path):
+    values = torch.randn(3000)
+    swap = SwapFile(tmp_path / "a.swap", 2 * 4096 + 12000)
+    swap.write(8192, _filled(values), values.numel() * 4)
+    out = aligned_empty(12000)
+    swap.read(8192, out, 12000)
+    assert torch.equal(out[:12000].view(torch.float32), values)
+    assert (tmp_path / "a.swap").exists()
+    swap.close()
+    assert not (tmp_path / "a.swap").exists()
+
+
+def test_named_errors_for_bad_files(tmp_path):
+    path = tmp_path / "b.swap"
+    swap = SwapFile(path, 8192)
+    out = aligned_empty(4096)
+    with pytest.raises(SwapError, match="never written"):
+        swap.read(0, out, 4096)
+    swap.write(4096, _filled(torch.arange(1024.0)), 4096)
+    with open(path, "r+b") as f:  # a byte changed underneath
+        f.seek(4100)
+        f.write(b"\x01")
+    with pytest.raises(SwapError, match=f"{path}.*checksum mismatch"):
+        swap.read(4096, out, 4096)
+    os.truncate(path, 4096)  # cut short
+    with pytest.raises(SwapError, match=f"{path}.*cut short"):
+        swap.read(4096, out, 4096)
+    with pytest.raises(SwapError, match="cut short"):
+        swap.check_size()
+    swap.close()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB filesystem (needs the right to mount; skipped elsewhere)."""
+    where = tmp_path / "small"
+    where.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(where)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip("cannot mount a small tmpfs here")
+    yield where
+    subprocess.run(["umount", str(where)], check=False)
+
+
+def test_a_full_disk_fails_at_construction_naming_the_file(small_tmpfs):
+    needs = r"big\.swap: No space left .*needs 8388608 bytes, 1048576 free"
+    with pytest.raises(SwapError, match=f"cannot allocate swap file .*{needs}"):
+        SwapFile(small_tmpfs / "big.swap", 8 << 20)
+    assert os.listdir(small_tmpfs) == []  # nothing left behind
+
+
+def test_split_runs_cuts_exactly():
+    runs = [
+        OwnedRun(bucket=0, start=0, end=7, group=0),
+        OwnedRun(bucket=1, start=20, end=25, group=1),
+    ]
+    out, positions, groups = split_runs(runs, [0, 7], 4)
+    assert [(r.start, r.end) for r in out] == [(0, 4), (4, 7), (20, 21), (21, 25)]
+    assert positions == [0, 4, 7, 8]
+    assert [(list(g.runs), g.numel) for g in groups] == [([0], 4), ([1, 2], 4), ([3], 4)]
+    out, _, groups = split_runs(runs, [0, 7], 0)  # every run its own sub-group
+    assert [g.numel for g in groups] == [7, 5] and len(out) == 2
+
+
+def test_swapped_state_streams_through_its_buffers(tmp_path):
+    runs = [OwnedRun(bucket=0, start=0, end=10, group=0)]
+    _, _, groups = split_runs(runs * 1, [0], 3)
+    fields = [Field("exp_avg", torch.float32), Field("step_count", torch.float64)]
+    numels = [3, 3, 3, 1]
+    state = SwappedState(
+        path=tmp_path / "s.swap",
+        sub_groups=groups,
+        run_numels=numels,
+        fields=fields,
+        buffer_count=2,
+    )
+    assert len(state.buffers) == 2
+    state.begin_pass()
+    for position in range(len(groups)):
+        opened = state.open(position)
+        assert opened.fresh
+        opened.fields[0]["exp_avg"].fill_(position)
+        opened.fields[0]["step_count"].fill_(10 + position)
+        state.close(position, stateful=True)
+    state.drain()
+    for position, opened in zip(range(4), state.visit(list(range(4))), strict=True):
+        assert not opened.fresh
+        assert torch.all(opened.fields[0]["exp_avg"] == position)
+        assert torch.all(opened.fields[0]["step_count"] == 10 + position)
+    os.truncate(state.file.path, 100)
+    with pytest.raises(SwapError, match="cut short"):
+        state.begin_pass()
+    state.close_file()
+    assert not (tmp_path / "s.swap").exists()
+
+
+def test_param_chunks_are_cached_in_buffer_count_buffers(tmp_path):
+    plan = ParamSwapPlan(directory=tmp_path, rank=0, buffer_count=2, buffer_size=100, max_in_cpu=5)
+    # Unit 0 fits max_in_cpu, unit 1 is kept whole (persistent), units 2-4 are swapped.
+    assert plan.choose([5, 50, 40, 40, 40], [False, True, False, False, False]) == [2, 3, 4]
+    with pytest.raises(ConfigError, match=r"buffer_size 100 .* unit holding blocks\.7"):
+        plan.build({7: 101}, torch.float32, {7: "blocks.7"})
+    chunks = plan.build({2: 40, 3: 40, 4: 40}, torch.float32, {})
+    for unit in (2, 3, 4):
+        chunks.get(unit, write=True).fill_(unit)
+    assert chunks.buffer_bytes() == 2 * 4096 and chunks.writes == 1  # unit 2 went out for 4
+    for unit in (2, 3, 4, 2):
+        assert torch.all(chunks.get(unit, write=False) == unit)
+    chunks.flush()
+    assert chunks.writes == 3
+    chunks.close()
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,157 @@
+"""Swapped parameter chunks: stage 3's shard on disk between uses (``offload_param: {device:
+nvme}``).
+
+Stage 3 keeps, per fetch unit, this rank's chunk of the unit's flat parameters (``zero.
+sharded_params``). With ``offload_param`` on nvme the chunks of the units chosen here (those past
+``max_in_cpu`` elements) live in one swap file per rank, a region per unit, and come into memory
+only to be used: copied into the unit's full buffer before its all-gather (forward, backward,
+after a step for anything gathered again), updated by the optimizer step, read and written by
+checkpoints.
+
+A chunk in memory sits in one of ``buffer_count`` buffers of ``buffer_size`` elements: a small
+cache, least recently used first out. A chunk that was changed is written back when its buffer
+is taken for another, or by ``flush``; a chunk only read is dropped. So a forward (or backward)
+reads each swapped chunk once, a step writes each once, and memory holds ``buffer_count``
+buffers whatever the model's size. I/O is synchronous, on the thread that asks: the fetcher
+already asks ahead of use (its prefetch), and a chunk is a rank's 1/N of a unit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+
+from zerolap.config import ConfigError
+from zerolap.offload.swap_file import SwapFile, aligned, aligned_empty
+
+__all__ = ["ParamSwapPlan", "SwappedChunks"]
+
+_instances = itertools.count()
+
+
+class ParamSwapPlan:
+    """``offload_param: {device: nvme}`` on one rank."""
+
+    def __init__(
+        self, *, directory: Path, rank: int, buffer_count: int, buffer_size: int, max_in_cpu: int
+    ) -> None:
+        self.directory = Path(directory)
+        self.rank = rank
+        self.buffer_count = buffer_count
+        self.buffer_size = buffer_size
+        self.max_in_cpu = max_in_cpu
+
+    def choose(self, chunk_numels: list[int], persistent: list[bool]) -> list[int]:
+        """The units whose chunks are swapped: past the first ``max_in_cpu`` elements of
+        chunks, in unit order (units kept whole are never swapped: they are gathered always)."""
+        kept, swapped = 0, []
+        for unit, (numel, whole) in enumerate(zip(chunk_numels, persistent, strict=True)):
+            if whole or numel == 0:
+                continue
+            if kept + numel <= self.max_in_cpu:
+                kept += numel
+            else:
+                swapped.append(unit)
+        return swapped
+
+    def build(
+        self, chunk_numels: dict[int, int], dtype: torch.dtype, names: dict[int, str]
+    ) -> SwappedChunks:
+        """``names``: a parameter of each unit, for the error about a chunk too large."""
+        for unit, numel in chunk_numels.items():
+            if numel > self.buffer_size:
+                raise ConfigError(
+                    f"zero_optimization.offload_param.buffer_size {self.buffer_size} is smaller "
+                    f"than the {numel}-element shard of the unit holding {names[unit]}: raise "
+                    "buffer_size (elements) to at least that"
+                )
+        name = f"zerolap-{os.getpid()}-{next(_instances)}-rank{self.rank}-params.swap"
+        return SwappedChunks(
+            path=self.directory / name,
+            chunk_numels=chunk_numels,
+            dtype=dtype,
+            buffer_count=self.buffer_count,
+        )
+
+
+class SwappedChunks:
+    def __init__(
+        self, *, path: Path, chunk_numels: dict[int, int], dtype: torch.dtype, buffer_count: int
+    ) -> None:
+        self.dtype = dtype
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        self.nbytes = {unit: numel * itemsize for unit, numel in chunk_numels.items()}
+        self.numel = dict(chunk_numels)
+        self.offsets, offset = {}, 0
+        for unit, nbytes in self.nbytes.items():
+            self.offsets[unit] = offset
+            offset += aligned(nbytes)
+        self.file = SwapFile(path, offset)
+        largest = max(self.nbytes.values(), default=0)
+        self._size = largest
+        self._count = min(buffer_count, len(chunk_numels))
+        self._free: list[torch.Tensor] = []  # buffers allocated and holding nothing
+        self._allocated = 0
+        self._cached: OrderedDict[int, torch.Tensor] = OrderedDict()  # unit -> its buffer, LRU
+        self._dirty: set[int] = set()
+        self.reads = self.writes = 0  # chunks moved, since construction
+
+    def __contains__(self, unit: int) -> bool:
+        return unit in self.numel
+
+    def get(self, unit: int, *, write: bool) -> torch.Tensor:
+        """Unit ``unit``'s chunk in memory (read in unless cached); ``write``: the caller will
+        change it, so it is written back before its buffer is reused. Valid until the next
+        ``get`` of another unit."""
+        buffer = self._cached.get(unit)
+        if buffer is None:
+            buffer = self._take_buffer()
+            if self.file.written(self.offsets[unit]):
+                self.file.read(self.offsets[unit], buffer, self.nbytes[unit])
+                self.reads += 1
+            self._cached[unit] = buffer
+        self._cached.move_to_end(unit)
+        if write:
+            self._dirty.add(unit)
+        return buffer[: self.nbytes[unit]].view(self.dtype)
+
+    def _take_buffer(self) -> torch.Tensor:
+        if self._free:
+            return self._free.pop()
+        if self._allocated < self._count:
+            self._allocated += 1
+            return aligned_empty(self._size)
+        unit, buffer = self._cached.popitem(last=False)
+        self._write_back(unit, buffer)
+        return buffer
+
+    def _write_back(self, unit: int, buffer: torch.Tensor) -> None:
+        if unit in self._dirty:
+            self.file.write(self.offsets[unit], buffer, self.nbytes[unit])
+            self._dirty.discard(unit)
+            self.writes += 1
+
+    def flush(self) -> None:
+        """Every changed chunk to disk, and the buffers emptied (the file is the whole truth
+        again: a checkpoint or a fresh read sees every update)."""
+        while self._cached:
+            unit, buffer = self._cached.popitem(last=False)
+            self._write_back(unit, buffer)
+            self._free.append(buffer)
+
+    def buffer_bytes(self) -> int:
+        return self._allocated * aligned(self._size)
+
+    def file_bytes(self) -> int:
+        return self.file.nbytes
+
+    def close(self) -> None:
+        """Remove the file (its contents are scratch); the chunks are gone."""
+        self._cached.clear()
+        self._free.clear()
+        self._allocated = 0
+        self.file.close()

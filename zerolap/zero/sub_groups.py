@@ -1,0 +1,64 @@
+"""``sub_group_size``: the optimizer's owned runs cut into sub-groups it steps one at a time.
+
+A rank's optimizer addresses its owned elements as runs (``FlatLayout.runs``): contiguous shard
+ranges of one param group. Sub-groups are consecutive stretches of at most ``sub_group_size``
+of those elements, in run order; a run crossing a sub-group boundary is cut there, so every run
+lies in exactly one sub-group. An elementwise optimizer (every ``torch.optim`` one zerolap
+drives: its runs already cut parameters across ranks) computes the same values whichever way
+its elements are grouped; what sub-groups decide is how much state must be in memory at once
+when it is swapped (``zerolap.offload``).
+
+DeepSpeed cuts its stage-3 sub-groups at whole parameters, so one may exceed the size; here the
+bound is exact. ``sub_group_size: 0`` makes every run a sub-group of its own.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, replace
+
+from zerolap.zero.layout import OwnedRun
+
+__all__ = ["SubGroup", "split_runs"]
+
+
+@dataclass(frozen=True)
+class SubGroup:
+    index: int
+    runs: range  # indices into the split runs
+    numel: int
+
+
+def split_runs(
+    runs: list[OwnedRun], positions: list[int], sub_group_numel: int
+) -> tuple[list[OwnedRun], list[int], list[SubGroup]]:
+    """``runs`` (at shard ``positions``) cut at sub-group boundaries: the new runs, their
+    positions, and the sub-groups over them."""
+    limit = sub_group_numel if sub_group_numel > 0 else None
+    out_runs: list[OwnedRun] = []
+    out_positions: list[int] = []
+    bounds: list[int] = [0]  # index of each sub-group's first run, then the end
+    filled = 0
+    for run, pos in zip(runs, positions, strict=True):
+        start = run.start
+        while start < run.end:
+            if limit is None:
+                take = run.end - start
+            else:
+                if filled == limit:
+                    bounds.append(len(out_runs))
+                    filled = 0
+                take = min(run.end - start, limit - filled)
+            out_runs.append(replace(run, start=start, end=start + take))
+            out_positions.append(pos + start - run.start)
+            start += take
+            filled += take
+        if limit is None:
+            bounds.append(len(out_runs))
+    if limit is not None and out_runs:
+        bounds.append(len(out_runs))
+    sub_groups = []
+    for index, (lo, hi) in enumerate(itertools.pairwise(bounds)):
+        numel = sum(r.end - r.start for r in out_runs[lo:hi])
+        sub_groups.append(SubGroup(index, range(lo, hi), numel))
+    return out_runs, out_positions, sub_groups
