@@ -3,19 +3,19 @@ everything in memory: step time, resident memory, the disk's own bandwidth, how 
 the step exposes, and the optimizer's throughput.
 
 Run from the repo root: ``python benchmarks/offload_bench.py [--quick] [--models 42m 170m]
-[--steps 4] [--rounds 3] [--swap-dir DIR]``.
+[--steps 4] [--rounds 3] [--sub-group-size N] [--swap-dir DIR]``.
 
 * Disk: the bandwidth of the swap directory's filesystem, measured first in the same run by
   writing and reading a 512 MiB file through ``zerolap.offload.swap_file`` (direct I/O where
   the filesystem takes it, as the swap files use).
 * Training rows: a GPT (``zerolap/demo/gpt.py``) on 2 ranks (gloo, one thread each), ZeRO-2,
-  fp32 AdamW (fused), micro-batch 1, with offload ``none`` or ``nvme`` (``sub_group_size`` 2M,
-  ``buffer_count`` 4: 64 MiB of buffers per rank); and ZeRO-3 without offload (``z3``) and
-  with both offloads on nvme (``z3-nvme``, every sharded unit's parameters swapped:
-  ``max_in_cpu`` 0). Each system runs in fresh processes, alternating in rounds; step time is
-  the slowest rank's, median over the measured steps of all rounds. Resident memory is the
-  ranks' anonymous RSS after the last step (the sum over ranks) and the model state
-  ``engine.memory_breakdown()`` counts as resident.
+  fp32 AdamW (fused), micro-batch 1, with offload ``none`` or ``nvme`` (``sub_group_size`` from
+  ``--sub-group-size``, 2M by default, ``buffer_count`` 4: 64 MiB of buffers per rank); and
+  ZeRO-3 without offload (``z3``) and with both offloads on nvme (``z3-nvme``, every sharded
+  unit's parameters swapped: ``max_in_cpu`` 0). Each system runs in fresh processes,
+  alternating in rounds; step time is the slowest rank's, median over the measured steps of
+  all rounds. Resident memory is the ranks' anonymous RSS after the last step (the sum over
+  ranks) and the model state ``engine.memory_breakdown()`` counts as resident.
 * Exposed I/O = step(offloaded) - step(same stage, no offload), against the I/O a step does:
   the bytes read and written by both ranks' swap files per step (counted by the files) over
   the disk's measured
@@ -93,7 +93,9 @@ def _io(files) -> tuple[int, float]:
     )
 
 
-def _train(rank: int, model_name: str, system: str, steps: int, warmup: int, swap_dir: str):
+def _train(
+    rank: int, model_name: str, system: str, steps: int, warmup: int, swap_dir: str, sub_group: int
+):
     import torch
 
     import zerolap
@@ -105,7 +107,7 @@ def _train(rank: int, model_name: str, system: str, steps: int, warmup: int, swa
         "stage": stage,
         "overlap_comm": True,
         "reduce_bucket_size": 2_000_000,
-        "sub_group_size": 2_000_000,
+        "sub_group_size": sub_group,
     }
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 100_000
@@ -257,6 +259,9 @@ def _parse(argv):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
+        "--sub-group-size", type=int, default=2_000_000, help="elements (buffers: 4 of them)"
+    )
+    parser.add_argument(
         "--swap-dir", default=None, help="where swap files go (default: a temp dir)"
     )
     parser.add_argument("--quick", action="store_true", help="small model, 1 round, 2 steps")
@@ -284,7 +289,18 @@ def main(argv: list[str] | None = None) -> int:
             for rnd in range(args.rounds):
                 order = args.systems if rnd % 2 == 0 else list(reversed(args.systems))
                 for name in order:
-                    runs[name].append(_spawn(2, _train, model, name, args.steps, args.warmup, swap))
+                    runs[name].append(
+                        _spawn(
+                            2,
+                            _train,
+                            model,
+                            name,
+                            args.steps,
+                            args.warmup,
+                            swap,
+                            args.sub_group_size,
+                        )
+                    )
             _print_model(model, runs, io_bw)
         _print_optimizer(swap)
     return 0

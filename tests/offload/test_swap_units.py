@@ -92,7 +92,7 @@ def test_split_runs_cuts_exactly():
 
 def test_swapped_state_streams_through_its_buffers(tmp_path):
     runs = [OwnedRun(bucket=0, start=0, end=10, group=0)]
-    _, _, groups = split_runs(runs * 1, [0], 3)
+    _, _, groups = split_runs(runs, [0], 3)
     fields = [Field("exp_avg", torch.float32), Field("step_count", torch.float64)]
     numels = [3, 3, 3, 1]
     state = SwappedState(

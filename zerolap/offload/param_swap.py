@@ -18,19 +18,15 @@ already asks ahead of use (its prefetch), and a chunk is a rank's 1/N of a unit.
 
 from __future__ import annotations
 
-import itertools
-import os
 from collections import OrderedDict
 from pathlib import Path
 
 import torch
 
 from zerolap.config import ConfigError
-from zerolap.offload.swap_file import SwapFile, aligned, aligned_empty
+from zerolap.offload.swap_file import SwapFile, aligned, aligned_empty, swap_path
 
 __all__ = ["ParamSwapPlan", "SwappedChunks"]
-
-_instances = itertools.count()
 
 
 class ParamSwapPlan:
@@ -69,9 +65,8 @@ class ParamSwapPlan:
                     f"than the {numel}-element shard of the unit holding {names[unit]}: raise "
                     "buffer_size (elements) to at least that"
                 )
-        name = f"zerolap-{os.getpid()}-{next(_instances)}-rank{self.rank}-params.swap"
         return SwappedChunks(
-            path=self.directory / name,
+            path=swap_path(self.directory, self.rank, "params"),
             chunk_numels=chunk_numels,
             dtype=dtype,
             buffer_count=self.buffer_count,

@@ -24,6 +24,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import itertools
 import os
 import shutil
 import threading
@@ -34,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ALIGN", "SwapError", "SwapFile", "aligned", "aligned_empty"]
+__all__ = ["ALIGN", "SwapError", "SwapFile", "aligned", "aligned_empty", "swap_path"]
 
 ALIGN = 4096
 """Alignment of file offsets, lengths and buffer addresses (``O_DIRECT`` needs the device's
@@ -46,6 +47,15 @@ if _SYNC_RANGE is not None:
     _SYNC_RANGE.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 # SYNC_FILE_RANGE_WAIT_BEFORE | WRITE | WAIT_AFTER: the range is on disk when it returns.
 _SYNC_ALL = 1 | 2 | 4
+
+
+_instances = itertools.count()
+
+
+def swap_path(directory: Path, rank: int, kind: str) -> Path:
+    """A file name under ``directory`` no other swap file takes: this process, a counter, the
+    rank and what it holds (``optimizer``, ``params``)."""
+    return Path(directory) / f"zerolap-{os.getpid()}-{next(_instances)}-rank{rank}-{kind}.swap"
 
 
 class SwapError(RuntimeError):

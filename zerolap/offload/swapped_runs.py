@@ -16,20 +16,16 @@ Per-run entries that are not per element (Adam's ``step``) stay in memory.
 
 from __future__ import annotations
 
-import itertools
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 
 from zerolap.offload.optimizer_swap import Field, OpenSubGroup, SwappedState
-from zerolap.offload.swap_file import SwapError
+from zerolap.offload.swap_file import SwapError, swap_path
 from zerolap.zero.sub_groups import SubGroup
 
 __all__ = ["SwapPlan", "SwappedRuns", "probe_fields"]
-
-_instances = itertools.count()
 
 
 def probe_fields(inner: torch.optim.Optimizer, device: torch.device) -> list[Field]:
@@ -87,16 +83,12 @@ class SwapPlan:
             kept += 1
         return sub_groups[kept:]
 
-    def path(self) -> Path:
-        name = f"zerolap-{os.getpid()}-{next(_instances)}-rank{self.rank}-optimizer.swap"
-        return self.directory / name
-
     def build(self, optimizer, swapped: list[SubGroup]) -> SwappedRuns:
         fields = probe_fields(optimizer.inner, optimizer.store.device)
         if optimizer.mixed:
             fields = [Field("master", torch.float32), *fields]
         state = SwappedState(
-            path=self.path(),
+            path=swap_path(self.directory, self.rank, "optimizer"),
             sub_groups=swapped,
             run_numels=[r.end - r.start for r in optimizer.runs],
             fields=fields,
