@@ -15,6 +15,11 @@ whole parameters in stages 0-2, this rank's shard of each unit under stage 3. Th
 optimizer run's state is gathered the same way. A checkpoint saved at one world size and stage
 loads at any other, with no conversion step; one saved by DeepSpeed 0.19 is read into the same
 form first (``checkpoint.deepspeed_format``).
+
+Under tensor parallelism a managed parameter is a piece of a whole one; its saved segments
+name ranges of the *whole* parameter (``Split.full_ranges``), each tensor rank saving its own
+pieces, so a checkpoint resumes at another tensor-parallel size (or none) and consolidates to
+the dense model's state dict.
 """
 
 from __future__ import annotations
@@ -41,12 +46,27 @@ from zerolap.checkpoint.shards import (
     SegmentIndex,
     collect_runs,
     collect_unoptimized,
+    param_segments,
     restore_rng,
     rng_state,
     segments_of,
 )
 from zerolap.utils.logging import logger
 from zerolap.zero.status import full_shape
+
+
+def _dense_shape(param) -> tuple[int, ...]:
+    """The shape of the whole parameter: gathered under stage 3, joined over the tensor group
+    under tensor parallelism."""
+    split = getattr(param, "tp_split", None)
+    return split.full_shape if split is not None else full_shape(param)
+
+
+def _splits(engine, names: list[str]) -> dict:
+    """Managed parameter name -> its tensor-parallel ``Split`` (pieces only)."""
+    pairs = zip(names, _managed(engine), strict=True)
+    return {n: p.tp_split for n, p in pairs if getattr(p, "tp_split", None) is not None}
+
 
 __all__ = ["load_checkpoint", "managed_names", "save_checkpoint"]
 
@@ -102,19 +122,22 @@ def _frozen_keys(engine) -> list[str]:
     return [key for key, tensor in states.items() if _frozen(tensor)]
 
 
-def _shard_runs(engine, names: list[str], rank: int, exclude_frozen: bool) -> list[dict]:
-    """What this rank saves of the parameters: its optimizer runs (stage 0: rank 0 alone, one
-    copy suffices), and under stage 3 also its elements of managed parameters outside every
-    run (frozen ones, unless excluded)."""
+def _shard_runs(engine, names: list[str], exclude_frozen: bool) -> list[dict]:
+    """What this rank saves of the parameters: its optimizer runs (stage 0: data-parallel rank
+    0 alone, one copy per tensor rank suffices), and under stage 3 also its elements of managed
+    parameters outside every run (frozen ones, unless excluded)."""
     runs = []
     optimizer = engine.optimizer
-    if optimizer is not None and (engine.plan.shard_optimizer or rank == 0):
-        runs = collect_runs(optimizer, engine.layout, names)
+    splits = _splits(engine, names)
+    if optimizer is not None and (engine.plan.shard_optimizer or engine.mesh.data_rank == 0):
+        runs = collect_runs(optimizer, engine.layout, names, splits)
     if engine.plan.shard_params:
         store = engine.param_store
         owned = store.layout.owned_ranges(dist.get_rank(engine.group))
         optimized = optimizer.runs if optimizer is not None else []
-        pieces = collect_unoptimized(store.layout, names, optimized, owned, store.shard_slice)
+        pieces = collect_unoptimized(
+            store.layout, names, optimized, owned, store.shard_slice, splits
+        )
         if exclude_frozen:
             frozen = {n for n, p in zip(names, store.params, strict=True) if _frozen(p)}
             pieces = [r for r in pieces if r["segments"][0].name not in frozen]
@@ -122,12 +145,30 @@ def _shard_runs(engine, names: list[str], rank: int, exclude_frozen: bool) -> li
     return runs
 
 
+def _refuse_frozen_pieces(engine) -> None:
+    """Below stage 3 frozen parameters are saved whole from rank 0's module states, which
+    cannot hold a tensor-parallel piece of the other ranks."""
+    if engine.plan.shard_params:
+        return
+    for name, param in engine.module.named_parameters():
+        if _frozen(param) and getattr(param, "tp_split", None) is not None:
+            raise CheckpointError(
+                f"save_checkpoint: {name} is a frozen tensor-parallel piece, which ZeRO stages "
+                "0-2 cannot save; train it, or use stage 3, which saves frozen pieces"
+            )
+
+
 def _module_states(engine, aliases: dict[str, str], exclude_frozen: bool) -> dict:
     """The module's state dict for rank 0 to save (a collective under stage 3 with
-    ``stage3_gather_16bit_weights_on_model_save``, which saves the whole 16-bit weights)."""
+    ``stage3_gather_16bit_weights_on_model_save``, which saves the whole 16-bit weights).
+    Tensor-parallel pieces are empty placeholders: the optimizer shards hold them."""
     if not engine.plan.shard_params:
         states = engine.module.state_dict(keep_vars=True)
-        return {k: t.detach() for k, t in states.items() if not (exclude_frozen and _frozen(t))}
+        return {
+            k: torch.empty(0, dtype=t.dtype) if getattr(t, "tp_split", None) else t.detach()
+            for k, t in states.items()
+            if not (exclude_frozen and _frozen(t))
+        }
     if engine.zero_gather_16bit_weights_on_model_save():
         return full_state_dict(engine.module, exclude_frozen=exclude_frozen)
     return {
@@ -149,11 +190,12 @@ def save_checkpoint(
     save_dir = Path(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     staged = partial_dir(save_dir, tag)
-    rank, world = dist.get_rank(), engine.world_size
+    rank, world = dist.get_rank(), dist.get_world_size()  # every rank saves a file
     if rank == 0:
         staged.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     names = managed_names(engine)
+    _refuse_frozen_pieces(engine)
     aliases = _aliases(engine)
     module_states = _module_states(engine, aliases, exclude_frozen)
     if exclude_frozen:
@@ -166,14 +208,14 @@ def save_checkpoint(
         {
             "rank": rank,
             "world_size": world,
-            "runs": _shard_runs(engine, names, rank, exclude_frozen),
+            "runs": _shard_runs(engine, names, exclude_frozen),
             "param_groups": _optimizer_groups(engine),
             "rng": rng_state(),
         },
         staged / optim_file(rank),
     )
     if rank == 0:
-        shapes = dict(zip(names, (full_shape(p) for p in _managed(engine)), strict=True))
+        shapes = dict(zip(names, (_dense_shape(p) for p in _managed(engine)), strict=True))
         write(
             {
                 "module": module_states,
@@ -213,7 +255,7 @@ def _check_same_model(engine, saved: dict, path: Path, strict: bool) -> None:
     """Every parameter of the model must be in the checkpoint with its shape (a missing one
     only when ``strict`` is off: a checkpoint saved without frozen parameters, say)."""
     have = _saved_shapes(saved)
-    params = {n: full_shape(p) for n, p in engine.module.named_parameters(remove_duplicate=False)}
+    params = {n: _dense_shape(p) for n, p in engine.module.named_parameters(remove_duplicate=False)}
     changed = sorted(
         f"{n}: saved {have[n]}, model {shape}"
         for n, shape in params.items()
@@ -260,18 +302,23 @@ def _load_module_states(engine, saved: dict, path: Path, strict: bool, custom_lo
 def _load_params(engine, params: SavedParams, names: list[str]) -> None:
     """Stages 0-2: every managed parameter whole. Stage 3: this rank's chunk of every unit,
     into the parameter store's shard (gathered copies are refreshed by ``publish``)."""
+    splits = _splits(engine, names)
     with torch.no_grad():
         if not engine.plan.shard_params:
             for name, param in zip(names, engine.params, strict=True):
-                if params.has(name):
-                    params.fill(name, 0, param.numel(), param.data.view(-1))
+                if not params.has(name):
+                    continue
+                flat = param.data.view(-1)
+                for seg in param_segments(name, param.numel(), splits.get(name)):
+                    out = flat[seg.run_offset : seg.run_offset + seg.numel]
+                    params.fill(name, seg.param_start, seg.param_end, out)
             return
         store = engine.param_store
         rank = dist.get_rank(engine.group)
         for bucket in store.layout.buckets:
             start, end = bucket.chunk(rank)
             base = store.layout.shard_offset(bucket.index)
-            for seg in segments_of(store.layout, names, start, end):
+            for seg in segments_of(store.layout, names, start, end, splits):
                 if params.has(seg.name):
                     at = base + seg.run_offset
                     out = store.shard_slice(at, seg.numel, write=True)
@@ -287,10 +334,11 @@ def _load_master(engine, params: SavedParams, names: list[str]) -> None:
     if not engine._config.zero_optimization.load_from_fp32_weights:
         optimizer.reload_master()
         return
+    splits = _splits(engine, names)
     with torch.no_grad():
         for i, values, _ in optimizer.visit_runs(write=True):
             run = optimizer.runs[i]
-            for seg in segments_of(engine.layout, names, run.start, run.end):
+            for seg in segments_of(engine.layout, names, run.start, run.end, splits):
                 at = seg.run_offset
                 params.fill(seg.name, seg.param_start, seg.param_end, values[at : at + seg.numel])
 
@@ -319,9 +367,10 @@ def _run_state(run, values, segments, index: SegmentIndex) -> dict:
 
 def _load_optimizer_state(engine, index: SegmentIndex, shards: list[dict], names) -> None:
     optimizer = engine.optimizer
+    splits = _splits(engine, names)
     for i, values, state in optimizer.visit_runs(write=True):
         run = optimizer.runs[i]
-        segments = segments_of(engine.layout, names, run.start, run.end)
+        segments = segments_of(engine.layout, names, run.start, run.end, splits)
         state.clear()
         state.update(_run_state(run, values, segments, index))
     for group, saved in zip(optimizer.param_groups, shards[0]["param_groups"], strict=False):

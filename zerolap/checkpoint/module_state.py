@@ -3,6 +3,7 @@
 Under stage 3 each module's sharded parameters are gathered together, copied to CPU on rank 0
 and released before the next module's, so no rank ever holds more than one module's parameters
 beyond what it kept already. Stages 0-2 hold every parameter whole; nothing is gathered.
+Tensor-parallel pieces are joined over their tensor group into the whole parameter.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import torch
 
 import zerolap.comm as dist
+from zerolap.tensor_parallel.layers import join_pieces
 from zerolap.zero.gathered import GatheredParameters
 from zerolap.zero.status import is_sharded
 
@@ -32,7 +34,14 @@ def full_state_dict(module: torch.nn.Module, *, exclude_frozen: bool = False) ->
             for key in keys:
                 tensor = entries[key]
                 frozen = isinstance(tensor, torch.nn.Parameter) and not tensor.requires_grad
-                if on_rank0 and not (exclude_frozen and frozen):
+                if exclude_frozen and frozen:
+                    continue
+                split = getattr(tensor, "tp_split", None)
+                if split is not None and id(tensor) not in copies:
+                    # A collective: every rank joins, in the same order.
+                    whole = join_pieces(tensor, split, tensor.tp_group)
+                    copies[id(tensor)] = whole.to("cpu") if on_rank0 else whole[:0]
+                if on_rank0:
                     if id(tensor) not in copies:
                         copies[id(tensor)] = tensor.detach().to("cpu", copy=True)
                     out[key] = copies[id(tensor)]

@@ -29,6 +29,7 @@ __all__ = [
     "SegmentIndex",
     "collect_runs",
     "collect_unoptimized",
+    "param_segments",
     "restore_rng",
     "rng_state",
     "segments_of",
@@ -47,17 +48,32 @@ class Segment:
         return self.param_end - self.param_start
 
 
-def segments_of(layout, names: list[str], start: int, end: int) -> list[Segment]:
-    """The parameter ranges covering flat ``[start, end)`` (padding has none)."""
-    return [
-        Segment(
-            names[slot], lo - layout.slots[slot].offset, hi - layout.slots[slot].offset, lo - start
-        )
-        for slot, lo, hi in layout.pieces(start, end)
-    ]
+def segments_of(
+    layout, names: list[str], start: int, end: int, splits: dict | None = None
+) -> list[Segment]:
+    """The parameter ranges covering flat ``[start, end)`` (padding has none), in whole-
+    parameter elements: a tensor-parallel piece (``splits[name]``, a ``Split``) is mapped to
+    the ranges of the whole parameter it holds, so any tensor-parallel size can read it."""
+    out = []
+    for slot, lo, hi in layout.pieces(start, end):
+        name, base = names[slot], layout.slots[slot].offset
+        split = splits.get(name) if splits else None
+        if split is None:
+            out.append(Segment(name, lo - base, hi - base, lo - start))
+            continue
+        for a, b, offset in split.full_ranges(lo - base, hi - base):
+            out.append(Segment(name, a, b, lo - start + offset))
+    return out
 
 
-def collect_runs(optimizer, layout, names: list[str]) -> list[dict]:
+def param_segments(name: str, numel: int, split) -> list[Segment]:
+    """All of one parameter (a whole one, or a tensor-parallel piece) as segments."""
+    if split is None:
+        return [Segment(name, 0, numel, 0)]
+    return [Segment(name, a, b, offset) for a, b, offset in split.full_ranges(0, numel)]
+
+
+def collect_runs(optimizer, layout, names: list[str], splits: dict | None = None) -> list[dict]:
     """This rank's runs: segments, fp32 values and optimizer state, as standalone tensors
     (a saved view would drag its whole flat buffer into the file; swapped runs are read in)."""
     runs: dict[int, dict] = {}
@@ -65,7 +81,7 @@ def collect_runs(optimizer, layout, names: list[str]) -> list[dict]:
         run = optimizer.runs[i]
         runs[i] = {
             "group": run.group,
-            "segments": segments_of(layout, names, run.start, run.end),
+            "segments": segments_of(layout, names, run.start, run.end, splits),
             "values": values.detach().float().clone(),
             "state": {
                 k: v.detach().clone() if isinstance(v, torch.Tensor) else v
@@ -76,7 +92,7 @@ def collect_runs(optimizer, layout, names: list[str]) -> list[dict]:
 
 
 def collect_unoptimized(
-    layout, names: list[str], runs, ranges: list[tuple[int, int]], shard_slice
+    layout, names: list[str], runs, ranges: list[tuple[int, int]], shard_slice, splits=None
 ) -> list[dict]:
     """Stage 3: this rank's elements (flat ``ranges``, read by ``shard_slice(position,
     numel)``) of parameters that no optimizer run holds, as runs of group -1 with no state. A
@@ -91,7 +107,7 @@ def collect_unoptimized(
             out.append(
                 {
                     "group": -1,
-                    "segments": segments_of(layout, names, lo, hi),
+                    "segments": segments_of(layout, names, lo, hi, splits),
                     "values": shard_slice(pos, hi - lo).detach().float().clone(),
                     "state": {},
                 }

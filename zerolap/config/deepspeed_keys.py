@@ -88,8 +88,6 @@ class DeepSpeedKeys(ConfigSection):
     """DeepSpeed's post-training weight quantisation."""
     compile: Annotated[Block, DeepSpeedOnly()] = None
     """DeepSpeed's torch.compile integration and DeepCompile."""
-    tensor_parallel: Annotated[Block, DeepSpeedOnly()] = None
-    """DeepSpeed's automatic tensor parallelism."""
     expert_parallel: Annotated[Block, DeepSpeedOnly()] = None
     """DeepSpeed's automatic expert parallelism."""
     eigenvalue: Annotated[Block, DeepSpeedOnly()] = None

@@ -26,6 +26,7 @@ from zerolap.config.errors import ConfigError, Problem, format_validation_error
 from zerolap.config.optimizer import OptimizerConfig
 from zerolap.config.precision import BF16Config, DTypeName, FP16Config, torch_dtype
 from zerolap.config.scheduler import SchedulerConfig
+from zerolap.config.tensor_parallel import TensorParallelConfig
 from zerolap.config.timers import TimersConfig
 from zerolap.config.zero import ZeroConfig
 
@@ -85,6 +86,8 @@ class ZerolapConfig(DeepSpeedKeys):
     """How ``zerolap.checkpointing`` (``deepspeed.checkpointing``) keeps checkpoint inputs."""
     timers: TimersConfig = Field(default_factory=TimersConfig)
     """The throughput timer (``engine.tput_timer``)."""
+    tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
+    """Tensor parallelism (DeepSpeed's AutoTP training)."""
 
     @property
     def print_interval(self) -> int | None:
@@ -137,18 +140,32 @@ class ZerolapConfig(DeepSpeedKeys):
         world_size = context.get("world_size")
         if world_size is not None:
             try:
-                batch = resolve_batch_size(
-                    train_batch_size=self.train_batch_size,
-                    train_micro_batch_size_per_gpu=self.train_micro_batch_size_per_gpu,
-                    gradient_accumulation_steps=self.gradient_accumulation_steps,
-                    world_size=world_size,
-                )
+                batch = self._batch(world_size)
             except ValueError as error:
                 problems.append(Problem(_BATCH_KEYS, str(error)))
             else:
                 for name, value in batch._asdict().items():
                     self._set_derived(name, value)
         return problems
+
+    def _batch(self, world_size: int):
+        """The batch triangle over ``world_size`` data-parallel ranks. Under tensor
+        parallelism DeepSpeed (and the Trainer, which fills the value in) counts every rank in
+        ``train_batch_size``, although the T ranks of a tensor group share their batch: that
+        value is accepted too, and resolved to the samples a step really takes."""
+        given = dict(
+            train_batch_size=self.train_batch_size,
+            train_micro_batch_size_per_gpu=self.train_micro_batch_size_per_gpu,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+        )
+        try:
+            return resolve_batch_size(**given, world_size=world_size)
+        except ValueError:
+            tensor = self.tensor_parallel.size
+            if tensor == 1 or self.train_batch_size is None:
+                raise
+            counted = resolve_batch_size(**given, world_size=world_size * tensor)
+            return counted._replace(train_batch_size=counted.train_batch_size // tensor)
 
 
 def read_config(config: Mapping[str, Any] | str | os.PathLike) -> dict[str, Any]:

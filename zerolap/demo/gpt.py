@@ -42,16 +42,18 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         if cfg.d_model % cfg.n_head:
             raise ValueError(f"n_head={cfg.n_head} does not divide d_model={cfg.d_model}")
+        # Heads on this rank: tensor parallelism divides n_head and keeps head_dim.
         self.n_head = cfg.n_head
+        self.head_dim = cfg.d_model // cfg.n_head
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, width = x.shape
-        heads = self.qkv(x).view(batch, seq, 3, self.n_head, width // self.n_head)
+        batch, seq, _ = x.shape
+        heads = self.qkv(x).view(batch, seq, 3, self.n_head, self.head_dim)
         q, k, v = heads.permute(2, 0, 3, 1, 4)  # each (batch, head, seq, head_dim)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, self.n_head * self.head_dim))
 
 
 class Block(nn.Module):
@@ -81,6 +83,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight  # tied: one tensor, counted once
+        # A module, so that tensor parallelism can swap in the vocab-parallel loss.
+        self.criterion = nn.CrossEntropyLoss()
         self.apply(self._init_weights)
 
     @staticmethod
@@ -101,7 +105,7 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy of ``targets`` given ``tokens`` (both (batch, seq))."""
         logits = self.logits(tokens)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        return self.criterion(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
 def build_gpt(size: str, *, seed: int = 0) -> GPT:

@@ -28,10 +28,12 @@ from zerolap.accelerator import get_accelerator
 from zerolap.config import ConfigError, ZerolapConfig
 from zerolap.moe.utils import check_expert_params
 from zerolap.offload import plan_offload
+from zerolap.runtime.inputs import check_same_inputs
 from zerolap.runtime.loss_scaler import build_loss_scaler
 from zerolap.runtime.memory import MemoryBreakdown, measure_memory
 from zerolap.runtime.throughput import ThroughputTimer
 from zerolap.runtime.timers import WallClockBreakdown
+from zerolap.topology import Mesh, build_mesh
 from zerolap.utils.logging import logger
 from zerolap.zero.external import ensure_registry
 from zerolap.zero.fetcher import ParamFetcher
@@ -113,11 +115,18 @@ class ZerolapEngine(torch.nn.Module):
         make_scheduler,
         ds_config: dict | None = None,
         optimizer_name: str | None = None,
-        group=None,
+        mesh: Mesh | None = None,
     ) -> None:
         super().__init__()
         _take_over(module)
         self.module = module
+        # Which ranks form which groups (zerolap.topology): ZeRO works over the data-parallel
+        # group; tensor parallelism's pieces agree over the tensor group. DeepSpeed's clients
+        # read it as ``engine.mpu``.
+        self.mesh = mesh if mesh is not None else build_mesh(1)
+        self.mpu = self.mesh
+        group = self.mesh.data_group
+        self._inputs_checked = self.mesh.tensor_group is None
         self._config = config
         # What clients read as ``engine.config``: the ds_config as given (DeepSpeed's engine
         # keeps the dict it was passed; the Trainer reads engine.config["zero_optimization"]).
@@ -397,6 +406,7 @@ class ZerolapEngine(torch.nn.Module):
             and self._config.bf16.check_grad_overflow,
             sub_group_size=self._config.zero_optimization.sub_group_size,
             swap=self.offload.optimizer,
+            tensor_group=self.mesh.tensor_group,
         )
 
     # -- training -----------------------------------------------------------------------------
@@ -425,6 +435,9 @@ class ZerolapEngine(torch.nn.Module):
         self.tput_timer.start()
         if self.fetcher is not None:
             self.fetcher.begin_step()
+        if not self._inputs_checked:
+            check_same_inputs(self.mesh, inputs, kwargs)
+            self._inputs_checked = True
         out = self.module(*inputs, **kwargs)
         if self.optimizer is not None and torch.is_grad_enabled():
             out = _through_entry(self, out)
@@ -665,7 +678,23 @@ class ZerolapEngine(torch.nn.Module):
     @property
     def data_parallel_group(self):
         """The process group gradients are averaged over."""
-        return self.group if self.group is not None else dist.get_world_group()
+        return self.mesh.get_data_parallel_group()
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.mesh.dims.data
+
+    @property
+    def mp_world_size(self) -> int:
+        return self.mesh.dims.tensor
+
+    def get_data_parallel_rank(self) -> int:
+        return self.mesh.data_rank
+
+    def get_tensor_parallel_rank(self) -> int:
+        return self.mesh.tensor_rank
+
+    get_model_parallel_rank = get_tensor_parallel_rank
 
     def communication_data_type(self) -> torch.dtype:
         return self._config.communication_dtype or _DTYPES[self._config.precision]

@@ -5,10 +5,12 @@ from __future__ import annotations
 import torch
 
 import zerolap.comm as dist
-from zerolap.config import ConfigError, load_config, read_config
+from zerolap.config import ConfigError, load_config, parse_config, read_config
 from zerolap.runtime.engine import ZerolapEngine
 from zerolap.runtime.lr_schedules import build_scheduler
 from zerolap.runtime.optimizers import build_optimizer
+from zerolap.tensor_parallel.plan import parallelize, plan_from_config
+from zerolap.topology import Mesh, build_mesh, mesh_from_mpu
 from zerolap.utils.logging import logger
 
 __all__ = ["initialize"]
@@ -80,6 +82,27 @@ def _dataloader(training_data, cfg, collate_fn, group):
     )
 
 
+def _mesh(tp, mpu, model) -> Mesh:
+    """The job's mesh, and the model split for tensor parallelism when the ds_config asks."""
+    if mpu is None:
+        mesh = build_mesh(tp.size)
+    else:
+        mesh = mesh_from_mpu(mpu)
+        if tp.size > 1 and tp.size != mesh.dims.tensor:
+            raise ConfigError(
+                f"tensor_parallel.autotp_size={tp.autotp_size} but the mpu's model-parallel size "
+                f"is {mesh.dims.tensor}"
+            )
+    if tp.size > 1:
+        parallelize(
+            model,
+            mesh.tensor_group,
+            plan_from_config(tp, model),
+            overlap_backward=tp.tp_overlap_comm,
+        )
+    return mesh
+
+
 def initialize(
     args=None,
     model: torch.nn.Module | None = None,
@@ -101,14 +124,19 @@ def initialize(
     ``optimizer`` and ``lr_scheduler`` may be instances or callables (called with the model
     parameters and with the optimizer); given ones override the ds_config's. With neither an
     optimizer passed nor one in the ds_config, the engine runs forward only (evaluation,
-    reference models); ``engine.optimizer`` is then None. ``mpu`` and ``mesh_param`` (model
-    parallelism) are not supported yet and must be None.
+    reference models); ``engine.optimizer`` is then None.
+
+    Tensor parallelism comes from the ds_config (``tensor_parallel.autotp_size``: the model is
+    split here, by its plan) or from a Megatron-style ``mpu`` whose groups describe a model the
+    caller split already; ZeRO then works over the data-parallel group only. ``mesh_param``
+    (DeepSpeed's DeviceMesh shape) is not supported and must be None.
     """
     if model is None:
         raise ValueError("initialize() needs model=")
-    if mpu is not None or mesh_param is not None:
+    if mesh_param is not None:
         raise ValueError(
-            "initialize(mpu=..., mesh_param=...): model parallelism is not supported by zerolap yet"
+            "initialize(mesh_param=...): zerolap takes its mesh from tensor_parallel.autotp_size "
+            "or an mpu; pass mesh_param=None"
         )
     if not dist.is_initialized():
         if dist_init_required is False:
@@ -119,7 +147,8 @@ def initialize(
         dist.init_distributed(distributed_port=distributed_port, verbose=False)
     source = _config_source(args, config, config_params)
     ds_config = read_config(source)
-    cfg = load_config(source, world_size=dist.get_world_size())
+    mesh = _mesh(parse_config(source).tensor_parallel, mpu, model)
+    cfg = load_config(source, world_size=mesh.dims.data)
     dist.configure(cfg.comms_logger)
     engine = ZerolapEngine(
         module=model,
@@ -128,6 +157,7 @@ def initialize(
         make_optimizer=_optimizer_factory(optimizer, model_parameters, cfg),
         optimizer_name=cfg.optimizer.type.lower() if optimizer is None and cfg.optimizer else None,
         make_scheduler=_scheduler_factory(lr_scheduler, cfg),
+        mesh=mesh,
     )
-    loader = _dataloader(training_data, cfg, collate_fn, None)
+    loader = _dataloader(training_data, cfg, collate_fn, mesh.data_group)
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -71,6 +71,7 @@ class OwnedRun:
     start: int
     end: int
     bucket: int
+    split: bool = False  # pieces of tensor-parallel parameters (counted apart in the norm)
 
 
 @dataclass(frozen=True)
@@ -111,19 +112,31 @@ class FlatLayout:
         chunk_numel = self.buckets[bucket].chunk_numel
         return self.shard_offset(bucket) + (flat - chunk_start) % chunk_numel
 
-    def runs(self, ranges: list[tuple[int, int]], group_of: list[int]) -> list[OwnedRun]:
+    def runs(
+        self,
+        ranges: list[tuple[int, int]],
+        group_of: list[int],
+        split_of: list[bool] | None = None,
+    ) -> list[OwnedRun]:
         """Split flat ``ranges`` into maximal runs of parameters of one optimizer group inside
-        one bucket, skipping padding. ``group_of[slot]`` is the group of each parameter. (A
-        bucket's chunk need not sit next to the previous one's: stage 3 may swap it.)"""
+        one bucket, skipping padding. ``group_of[slot]`` is the group of each parameter;
+        ``split_of[slot]`` whether it is a tensor-parallel piece (a run holds one kind only).
+        (A bucket's chunk need not sit next to the previous one's: stage 3 may swap it.)"""
         runs: list[OwnedRun] = []
         for start, end in ranges:
             for slot, lo, hi in self.pieces(start, end):
                 group, bucket = group_of[slot], self.slots[slot].bucket
+                split = bool(split_of[slot]) if split_of is not None else False
                 last = runs[-1] if runs else None
-                if last is not None and (last.group, last.bucket, last.end) == (group, bucket, lo):
-                    runs[-1] = OwnedRun(group, last.start, hi, last.bucket)
+                if last is not None and (last.group, last.bucket, last.end, last.split) == (
+                    group,
+                    bucket,
+                    lo,
+                    split,
+                ):
+                    runs[-1] = OwnedRun(group, last.start, hi, last.bucket, split)
                 else:
-                    runs.append(OwnedRun(group, lo, hi, bucket))
+                    runs.append(OwnedRun(group, lo, hi, bucket, split))
         return runs
 
     def pieces(self, start: int, end: int) -> list[tuple[int, int, int]]:

@@ -18,7 +18,9 @@ Phases of ``step()``:
 1. gather the owned gradient runs (fp32 copies under mixed precision);
 2. fp16 (dynamic scale), and bf16 with ``check_grad_overflow``: any non-finite value on any
    rank skips the step (fp16 also shrinks the loss scale);
-3. global norm: squares summed over owned runs, all-reduced when the optimizer is sharded;
+3. global norm: squares summed over owned runs, all-reduced when the optimizer is sharded,
+   and under tensor parallelism over the tensor group too (pieces of split parameters count
+   on every tensor rank, replicated parameters on tensor rank 0 only);
 4. unscale and clip in one divide, then the inner optimizer steps, tier by tier;
 5. mixed precision: the master runs are copied back into the 16-bit parameters;
 6. sharded: the parameter store brings the updated chunks to every rank that needs them
@@ -33,6 +35,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 import zerolap.comm as dist
+from zerolap.tensor_parallel.layers import is_tensor_parallel
 from zerolap.zero.layout import FlatLayout
 from zerolap.zero.sub_groups import split_runs
 
@@ -112,6 +115,7 @@ class ZeroOptimizer:
         check_overflow: bool = False,
         sub_group_size: int = 1_000_000_000,
         swap=None,
+        tensor_group=None,
     ) -> None:
         self.inner = inner
         self.layout = layout
@@ -125,11 +129,16 @@ class ZeroOptimizer:
         # dynamic fp16 scaling does (without changing a scale).
         self.check_overflow = check_overflow
         self.loss_scaler = loss_scaler
+        # Tensor parallelism: the ranks holding the other pieces of this rank's split
+        # parameters (None without it); overflow and norm agree over them as well.
+        self.tensor_group = tensor_group
+        self._count_replicated = tensor_group is None or dist.get_rank(tensor_group) == 0
         # The client's param groups as it built them, before they are re-pointed at runs:
         # what a stage-0 DeepSpeed checkpoint's optimizer entries are numbered by.
         self.client_groups = [list(group["params"]) for group in inner.param_groups]
         groups = slot_groups(inner, params)
-        runs = [r for r in layout.runs(owned_ranges, groups) if r.group >= 0]
+        split_of = [is_tensor_parallel(p) for p in params]
+        runs = [r for r in layout.runs(owned_ranges, groups, split_of) if r.group >= 0]
         positions = [to_shard(r.bucket, r.start) for r in runs]
         self.runs, self.positions, self.sub_groups = split_runs(runs, positions, sub_group_size)
         # Mixed precision steps on an fp32 master copy; fp32 parameters are their own master,
@@ -229,9 +238,12 @@ class ZeroOptimizer:
         return [g.float() for g in grads] if self.mixed else grads
 
     def _agree(self, value: torch.Tensor, op: str) -> float:
-        """``value`` combined over the ranks that share the optimizer (one host sync)."""
+        """``value`` combined over the ranks that share the optimizer and, under tensor
+        parallelism, those holding the other pieces of the model (one host sync)."""
         if self.sharded:
             dist.all_reduce(value, op=op, group=self.group)
+        if self.tensor_group is not None:
+            dist.all_reduce(value, op=op, group=self.tensor_group)
         return value.item()
 
     def step(self) -> bool:
@@ -279,10 +291,14 @@ class ZeroOptimizer:
                 self.param_elements(i).copy_(self.views[i])
 
     def _global_norm(self, grads: list[torch.Tensor], scale: float) -> float:
-        """One fused pass over the runs; squares summed in float64 across runs and ranks."""
+        """One fused pass over the runs; squares summed in float64 across runs and ranks. A
+        replicated parameter is counted on one tensor rank, a split one on all (its pieces)."""
         norms = torch._foreach_norm(grads) if grads else [self._zero]
-        squares = torch.stack([n.double() for n in norms]).pow(2).sum().reshape(1)
-        return math.sqrt(self._agree(squares, "sum")) / scale
+        squares = torch.stack([n.double() for n in norms]).pow(2)
+        if not self._count_replicated:
+            split = torch.tensor([r.split for r in self.runs] or [False], device=squares.device)
+            squares = squares * split
+        return math.sqrt(self._agree(squares.sum().reshape(1), "sum")) / scale
 
     def copy_master_to_params(self, only: set[int] | None = None) -> None:
         """Mixed precision: the owned 16-bit parameter elements (of runs ``only``, or all) :=

@@ -1,0 +1,161 @@
+"""Plans: Hugging Face GPT-2 (fused Conv1D QKV) and Llama (grouped KV heads) split by their
+auto plans compute the dense model's loss and gradients; DeepSpeed's partition_config is
+translated; wrong sizes are named errors that leave the model unsplit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerolap.config import ConfigError, load_config
+from zerolap.demo.gpt import GPT, GPTConfig
+from zerolap.tensor_parallel import parallelize
+from zerolap.tensor_parallel.plan import plan_from_config
+from zerolap.topology import ParallelDims
+
+VOCAB = 64
+
+
+def _hf(arch: str):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if arch == "gpt2":
+        config = AutoConfig.for_model(
+            "gpt2", n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=32,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+    else:
+        config = AutoConfig.for_model(
+            "llama", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+            max_position_embeddings=64, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+    config.attn_implementation = "eager"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).float()
+
+
+def check_hf_equals_dense(arch: str, overlap: bool) -> None:
+    dense, split = _hf(arch), _hf(arch)
+    parallelize(split, None, overlap_backward=overlap)
+    ids = torch.randint(VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    want = dense(input_ids=ids, labels=ids).loss
+    want.backward()
+    got = split(input_ids=ids, labels=ids).loss
+    torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
+    got.backward()
+    dense_params = dict(dense.named_parameters())
+    pieces = 0
+    for name, param in split.named_parameters():
+        expected = dense_params[name].grad
+        if getattr(param, "tp_split", None) is not None:
+            expected, pieces = param.tp_split.take(expected), pieces + 1
+        torch.testing.assert_close(param.grad, expected, rtol=1e-5, atol=1e-7, msg=name)
+    assert pieces == 2 * (6 if arch == "gpt2" else 7), pieces  # layers x split tensors
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_hugging_face_models_split_by_auto_plan(ranks, arch):
+    pytest.importorskip("transformers")
+    ranks(2).run(check_hf_equals_dense, arch, True)
+
+
+def split_indivisible_heads() -> tuple[str, bool]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=6, d_model=24))
+    before = [type(m) for m in model.modules()]
+    try:
+        parallelize(model, None)
+    except ValueError as err:
+        return str(err), before == [type(m) for m in model.modules()]
+    return "no error", False
+
+
+def test_heads_not_divisible_is_named_and_leaves_model(ranks):
+    message, untouched = ranks(4).run(split_indivisible_heads)[0]
+    assert "blocks.0.attn.n_head=6 is not divisible by the tensor-parallel size 4" in message
+    assert untouched
+
+
+def test_tensor_size_must_divide_world():
+    with pytest.raises(ValueError, match=r"tensor_parallel\.autotp_size=3 does not divide"):
+        ParallelDims(4, 3)
+
+
+def test_partition_config_translates_to_rules():
+    cfg = load_config(
+        {
+            "train_micro_batch_size_per_gpu": 1,
+            "tensor_parallel": {
+                "autotp_size": 2,
+                "partition_config": {
+                    "use_default_specs": False,
+                    "layer_specs": [
+                        {
+                            "patterns": [r".*\.qkv\.weight$"],
+                            "partition_type": "column",
+                            "shape": [3, -1],
+                        },
+                        {"patterns": [r".*\.proj\.weight$"], "partition_type": "row"},
+                    ],
+                },
+            },
+        },
+        world_size=1,
+    )
+    torch.manual_seed(0)
+    plan = plan_from_config(cfg.tensor_parallel, GPT(GPTConfig(64, 8, 1, 4, 16)))
+    styles = {(r.style, r.parts) for r in plan.rules if r.on_weight}
+    assert styles == {("colwise", 3), ("rowwise", 1)}
+    assert plan.rules[0].style == "skip" and plan.rules[0].matches("lm_head")
+    qkv = next(r for r in plan.rules if r.parts == 3)
+    assert qkv.matches("blocks.0.attn.qkv") and not qkv.matches("blocks.0.attn.proj")
+
+
+@pytest.mark.parametrize(
+    "spec,key",
+    [
+        ({"patterns": ["x"], "shape": [[1, 2, 2], -1]}, "shape"),
+        ({"patterns": ["x"], "partition_type": "row", "partition_dim": 0}, "partition_dim"),
+        ({"patterns": ["x"], "partition_type": "banana"}, "partition_type"),
+    ],
+)
+def test_unsupported_layer_spec_is_named(spec, key):
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": [spec]}},
+    }
+    with pytest.raises(
+        ConfigError, match=rf"tensor_parallel\.partition_config\.layer_specs\[0\]\.{key}"
+    ):
+        load_config(config, world_size=1)
+
+
+def test_batch_counted_over_every_rank_is_accepted():
+    """DeepSpeed and the Trainer count the T ranks of a tensor group in train_batch_size."""
+    config = {
+        "train_batch_size": 16,
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "tensor_parallel": {"autotp_size": 2},
+    }
+    assert load_config(config, world_size=2).train_batch_size == 8  # 2 x 2 x 2 data ranks
+    config["train_batch_size"] = 8
+    assert load_config(config, world_size=2).train_batch_size == 8
+    config["train_batch_size"] = 12
+    with pytest.raises(ConfigError, match="train_batch_size"):
+        load_config(config, world_size=2)
+
+
+def test_unknown_preset_is_named():
+    from zerolap.tensor_parallel import preset_plan
+
+    with pytest.raises(ValueError, match="preset_model='bloom'"):
+        preset_plan("bloom")
+
+
+def test_tensor_parallel_keys_without_a_size_are_said():
+    config = {"train_micro_batch_size_per_gpu": 1, "tensor_parallel": {"tp_overlap_comm": True}}
+    assert load_config(config, world_size=1).advice() == [
+        "tensor_parallel.tp_overlap_comm: no effect without tensor_parallel.autotp_size > 1"
+    ]

@@ -1,0 +1,117 @@
+"""``tensor_parallel``: DeepSpeed's AutoTP training section (``autotp_size`` ranks split each
+layer's matrices; the rest of the job is data-parallel copies of those ranks).
+
+Keys and meanings are DeepSpeed's. ``partition_config.layer_specs`` name layers by *parameter*
+regexes (``re.match`` on e.g. ``model.layers.0.self_attn.o_proj.weight``); each spec's
+``partition_type`` is ``column``, ``row`` or ``skip``, and ``shape: [k, -1]`` marks a fused
+projection of k equal blocks (each split per head). Specs come first; with ``use_default_specs``
+the ``preset_model`` plan (or the one zerolap finds for the model) follows. What zerolap does not
+implement of DeepSpeed's section (unequal fused blocks, a non-default ``partition_dim``,
+``embedding_partition_dim``) is an error naming the key, never ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import Field
+
+from zerolap.config.errors import Problem
+from zerolap.config.section import ConfigSection
+
+__all__ = ["LayerSpec", "PartitionConfig", "TensorParallelConfig"]
+
+
+class LayerSpec(ConfigSection):
+    """One entry of ``partition_config.layer_specs``."""
+
+    patterns: list[str]
+    """Regexes matched (``re.match``) against full parameter names; a layer matches when its
+    weight's name does."""
+    partition_type: Literal["column", "row", "skip"] = "column"
+    """``column``: output features split; ``row``: input features split; ``skip``: replicated."""
+    shape: list[Any] | None = None
+    """``[k, -1]``: the output features are k equal fused blocks (QKV: 3), each split."""
+    partition_dim: int | None = None
+    """The split dimension; only the default (0 for column, 1 for row) is supported."""
+    gather_output: bool = False
+    """Column only: all-gather the output so the next layer sees it whole."""
+    model_types: list[str] | None = None
+    """Apply the spec only to models whose ``config.model_type`` is listed."""
+
+    @property
+    def parts(self) -> int:
+        return 1 if self.shape is None else int(self.shape[0])
+
+    def _check(self, context: Mapping[str, Any]) -> list[Problem]:
+        problems = []
+        shape = self.shape
+        if shape is not None and not (
+            len(shape) == 2 and isinstance(shape[0], int) and shape[0] >= 1 and shape[1] == -1
+        ):
+            message = "only [k, -1] (k equal fused blocks) is supported, got " + repr(shape)
+            problems.append(Problem(("shape",), message))
+        default_dim = {"column": 0, "row": 1}.get(self.partition_type)
+        if self.partition_dim is not None and self.partition_dim != default_dim:
+            message = f"only the default split dimension ({default_dim}) is supported"
+            problems.append(Problem(("partition_dim",), message))
+        if self.gather_output and self.partition_type != "column":
+            problems.append(Problem(("gather_output",), "applies to column specs only"))
+        return problems
+
+
+class PartitionConfig(ConfigSection):
+    """``tensor_parallel.partition_config``: which layers split how."""
+
+    layer_specs: list[LayerSpec] = Field(default_factory=list)
+    """Specs in priority order (the first matching one wins)."""
+    use_default_specs: bool = True
+    """After the specs, the ``preset_model`` plan (or the one found for the model)."""
+    strict_mode: bool = False
+    """Every ``nn.Linear`` must be matched by some spec (``skip`` counts), else an error."""
+    embedding_partition_dim: int = 1
+    """DeepSpeed's embedding split dimension; zerolap keeps embeddings of Hugging Face models
+    replicated, as DeepSpeed's AutoTP training does, and accepts only the default."""
+    lm_head_patterns: list[str] = Field(default_factory=lambda: ["lm_head", "embed_out"])
+    """Names of LM heads, kept replicated (their logits feed the model's own loss)."""
+
+    def _check(self, context: Mapping[str, Any]) -> list[Problem]:
+        if self.embedding_partition_dim != 1:
+            message = "zerolap keeps Hugging Face embeddings replicated; only 1 is accepted"
+            return [Problem(("embedding_partition_dim",), message)]
+        return []
+
+
+class TensorParallelConfig(ConfigSection):
+    """``tensor_parallel``: AutoTP training."""
+
+    autotp_size: int = Field(0, ge=0)
+    """Tensor-parallel degree T; 0 or 1 is off. T must divide the world size; ranks
+    ``k*T .. k*T+T-1`` form one tensor group."""
+    tp_overlap_comm: bool = False
+    """Start each column-parallel layer's input-gradient all-reduce before its weight gradient
+    is computed, and wait after (results are identical)."""
+    partition_config: PartitionConfig | None = None
+    """Which layers split how; without it, the plan of ``preset_model`` or the one zerolap
+    finds for the model (its demo GPT, Hugging Face GPT-2, Llama-style decoders)."""
+    preset_model: str | None = None
+    """A named plan: ``gpt`` (zerolap's demo), ``gpt2``, ``llama``, ``mistral``, ``qwen2``,
+    ``qwen3``."""
+
+    @property
+    def size(self) -> int:
+        """The tensor-parallel degree (1 when off)."""
+        return max(self.autotp_size, 1)
+
+    def _advise(self) -> list[Problem]:
+        if self.size > 1:
+            return []
+        idle = [
+            key
+            for key in ("tp_overlap_comm", "partition_config", "preset_model")
+            if key in self.model_fields_set and getattr(self, key) not in (None, False)
+        ]
+        if not idle:
+            return []
+        return [Problem(tuple(idle), "no effect without tensor_parallel.autotp_size > 1")]

@@ -1,0 +1,71 @@
+"""The first-step check that every rank of a tensor group got the same batch.
+
+Tensor-parallel ranks compute one model copy together, so they must be fed the same inputs; a
+data loader sharded over every rank instead of over the data-parallel ranks trains on garbage
+without any error. At the first forward each rank reduces its inputs to a small fingerprint
+(per tensor: shape, dtype, and two position-weighted sums in float64) and the tensor group
+all-gathers them: one tiny collective, once, instead of pickling the batch.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+import zerolap.comm as dist
+
+__all__ = ["check_same_inputs", "fingerprint"]
+
+
+def fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """A float64 vector that differs, with overwhelming probability, when any tensor differs in
+    shape, dtype or value. The weights are a function of position only, so every rank uses the
+    same ones."""
+    rows = []
+    for tensor in tensors:
+        flat = tensor.detach().reshape(-1).to(device="cpu", dtype=torch.float64)
+        weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64).remainder_(9973).add_(1)
+        shape = torch.tensor(list(tensor.shape) + [-1] * (8 - tensor.dim()), dtype=torch.float64)
+        rows.append(
+            torch.cat(
+                [
+                    shape[:8],
+                    torch.tensor(
+                        [float(zlib.crc32(str(tensor.dtype).encode()))], dtype=torch.float64
+                    ),
+                    flat.sum().reshape(1),
+                    (flat * weights).sum().reshape(1),
+                ]
+            )
+        )
+    return torch.cat(rows) if rows else torch.zeros(1, dtype=torch.float64)
+
+
+def check_same_inputs(mesh, inputs: tuple, kwargs: dict) -> None:
+    """Raise naming the tensor-parallel ranks whose inputs differ from their group's first
+    rank's. Called once, by every rank of the group."""
+    leaves, _ = tree_flatten((inputs, kwargs))
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    mine = fingerprint(tensors)
+    group = mesh.tensor_group
+    size = torch.tensor([mine.numel()], dtype=torch.float64)
+    sizes = dist.all_gather(size, group=group)
+    if any(int(s.item()) != mine.numel() for s in sizes):
+        counts = [int(s.item()) for s in sizes]
+        raise ValueError(_message(mesh, "a different number or kind of input tensors", counts))
+    prints = dist.all_gather(mine, group=group)
+    differ = [t for t, p in enumerate(prints) if not torch.equal(p, prints[0])]
+    if differ:
+        raise ValueError(_message(mesh, "different input batches", differ))
+
+
+def _message(mesh, what: str, detail) -> str:
+    ranks = dist.get_all_ranks_from_group(mesh.tensor_group)
+    return (
+        f"tensor parallelism: the ranks of tensor group {ranks} got {what} at the first "
+        f"forward ({detail}); the T ranks of a tensor group compute one model copy and must be "
+        "fed the same batch: shard the data over the data-parallel ranks "
+        "(engine.mpu.get_data_parallel_rank() / get_data_parallel_world_size())"
+    )

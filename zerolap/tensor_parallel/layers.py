@@ -1,0 +1,390 @@
+"""What tensor parallelism computes: layers whose weights are split over the tensor group.
+
+* ``ColumnParallelLinear``: the output features are split. Input replicated, output split
+  (or gathered whole with ``gather_output``). Its backward sums the input gradient over the
+  group (Megatron's *f*), fused into the layer so that the all-reduce can be *started before*
+  the weight gradient is computed and waited for after it (``overlap_backward``).
+* ``RowParallelLinear``: the input features are split. Input split, output partial sums,
+  all-reduced (Megatron's *g*), then the bias, which every rank holds whole, is added once.
+* ``VocabParallelEmbedding``: the vocabulary rows are split; each rank looks up the tokens it
+  holds, zeros the rest, and the ranks' outputs are summed.
+
+Every split weight is *cut from a whole one*: ``from_dense`` slices an existing layer, and the
+constructors build the dense layer first (torch's default initialisation, from the current RNG)
+and slice it, so a tensor-parallel model built from the same seed starts exactly equal to the
+dense model. Each split parameter carries a ``Split`` (``param.tp_split``) saying which piece
+of the whole it is, plus Megatron's ``tensor_model_parallel`` / ``partition_dim`` attributes
+that other tools read. Fused projections (a GPT's QKV) are split per block with ``parts``: the
+output rows are ``parts`` equal blocks and each block is cut in T, so every rank keeps whole
+heads of Q, K and V.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import zerolap.comm as dist
+from zerolap.tensor_parallel.mappings import (
+    all_reduce_,
+    gather_from_region,
+    reduce_from_region,
+    scatter_to_region,
+)
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "Split",
+    "VocabParallelEmbedding",
+    "is_tensor_parallel",
+    "join_pieces",
+]
+
+
+@dataclass(frozen=True)
+class Split:
+    """Where a split parameter's piece sits in the whole parameter: along ``dim`` the whole is
+    ``parts`` equal blocks, and this piece is slice ``index`` of ``count`` of every block."""
+
+    full_shape: tuple[int, ...]
+    dim: int
+    parts: int
+    index: int
+    count: int
+
+    def block_ranges(self) -> list[tuple[int, int]]:
+        """The ``(start, end)`` index ranges along ``dim`` of the whole that this piece holds,
+        one per block, in order."""
+        block = self.full_shape[self.dim] // self.parts
+        step = block // self.count
+        return [
+            (k * block + self.index * step, k * block + (self.index + 1) * step)
+            for k in range(self.parts)
+        ]
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This piece cut from the whole tensor ``full``."""
+        return torch.cat(
+            [full.narrow(self.dim, a, b - a) for a, b in self.block_ranges()], self.dim
+        )
+
+    def put(self, piece: torch.Tensor, full: torch.Tensor) -> None:
+        """Write this piece into its place in the whole tensor ``full``."""
+        step = self.full_shape[self.dim] // self.parts // self.count
+        for k, (a, b) in enumerate(self.block_ranges()):
+            full.narrow(self.dim, a, b - a).copy_(piece.narrow(self.dim, k * step, step))
+
+    def full_ranges(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """The piece's flat elements ``[lo, hi)`` as ranges of the whole tensor's flat elements:
+        ``(full_start, full_end, offset of full_start from lo)``, in the piece's order. A
+        split along dimension 0 gives one range per block; along a later dimension, one per
+        block of every index of the dimensions before it."""
+        shape = self.full_shape
+        inner = math.prod(shape[self.dim + 1 :])
+        full_dim = shape[self.dim]
+        block = full_dim // self.parts
+        step = block // self.count
+        local_dim = step * self.parts
+        span = local_dim * inner  # piece elements per index of the dimensions before ``dim``
+        out = []
+        for outer in range(lo // span, -(-hi // span)):
+            for k in range(self.parts):
+                start = outer * span + k * step * inner
+                a, b = max(lo, start), min(hi, start + step * inner)
+                if a < b:
+                    full = (outer * full_dim + k * block + self.index * step) * inner
+                    out.append((full + a - start, full + b - start, a - lo))
+        return out
+
+
+def _check_divisible(what: str, size: int, parts: int, count: int) -> None:
+    if size % (parts * count):
+        detail = f" in {parts} blocks" if parts > 1 else ""
+        raise ValueError(
+            f"tensor parallelism: {what} has {size} along its split dimension, not divisible by "
+            f"the tensor-parallel size {count}{detail}"
+        )
+
+
+def _split_parameter(full: torch.Tensor, dim: int, parts: int, group, what: str) -> nn.Parameter:
+    count, index = dist.get_world_size(group), dist.get_rank(group)
+    _check_divisible(what, full.shape[dim], parts, count)
+    split = Split(tuple(full.shape), dim, parts, index, count)
+    param = nn.Parameter(split.take(full.detach()).clone(), requires_grad=full.requires_grad)
+    mark_split(param, split, group)
+    return param
+
+
+def mark_split(param: nn.Parameter, split: Split, group) -> None:
+    """Tag ``param`` as a tensor-parallel piece of the ranks of ``group`` (ours and
+    Megatron's attribute names)."""
+    param.tp_split = split
+    param.tp_group = group
+    param.tensor_model_parallel = True
+    param.partition_dim = split.dim
+    param.partition_stride = split.parts
+
+
+def join_pieces(piece: torch.Tensor, split: Split, group) -> torch.Tensor:
+    """The whole tensor, on every rank of ``group``, from each rank's ``piece`` of it."""
+    pieces = dist.all_gather(piece.detach().contiguous(), group=group)
+    full = torch.empty(split.full_shape, dtype=piece.dtype, device=piece.device)
+    for index, each in enumerate(pieces):
+        Split(split.full_shape, split.dim, split.parts, index, split.count).put(each, full)
+    return full
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a piece of a split parameter (its other pieces on the other ranks
+    of the tensor group), as opposed to replicated on all of them."""
+    return bool(
+        getattr(param, "tensor_model_parallel", False) or getattr(param, "model_parallel", False)
+    )
+
+
+def _linear(x, weight, bias, transposed: bool) -> torch.Tensor:
+    """``nn.Linear`` (weight ``(out, in)``) or, ``transposed``, Hugging Face's ``Conv1D``
+    (weight ``(in, out)``)."""
+    if not transposed:
+        return F.linear(x, weight, bias)
+    y = x.matmul(weight)
+    return y if bias is None else y + bias
+
+
+def _blank(cls):
+    """A layer of class ``cls`` with nothing in it yet, for ``from_dense`` to fill from an
+    existing dense layer (the constructors would build and initialise a dense one first)."""
+    layer = cls.__new__(cls)
+    nn.Module.__init__(layer)
+    return layer
+
+
+def _bias_split(bias: torch.Tensor | None, parts: int, group, what: str) -> nn.Parameter | None:
+    return None if bias is None else _split_parameter(bias, 0, parts, group, what)
+
+
+class _ColumnParallelMatmul(torch.autograd.Function):
+    """``x @ weight.T + bias`` with ``x`` replicated and ``weight`` this rank's output rows.
+    Backward sums the input gradient over the group; with ``overlap`` that all-reduce runs
+    while the weight and bias gradients are computed (they do not depend on it)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group, overlap, transposed):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.overlap, ctx.transposed = group, overlap, transposed
+        ctx.has_bias = bias is not None
+        return _linear(x, weight, bias, transposed)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = handle = None
+        if need_x:
+            grad_x = grad.matmul(weight.t() if ctx.transposed else weight)
+            handle = all_reduce_(grad_x, ctx.group, async_op=True)
+            if not ctx.overlap:
+                handle.wait()
+        flat_grad = grad.reshape(-1, grad.shape[-1])
+        flat_x = x.reshape(-1, x.shape[-1])
+        grad_w = None
+        if need_w:
+            grad_w = (
+                flat_x.t().matmul(flat_grad) if ctx.transposed else flat_grad.t().matmul(flat_x)
+            )
+        grad_b = flat_grad.sum(0) if need_b and ctx.has_bias else None
+        if handle is not None:
+            handle.wait()
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+class ColumnParallelLinear(nn.Module):
+    """``nn.Linear`` with its output features split over ``group`` (see the module doc).
+    ``transposed``: the weight is stored ``(in, out)``, as in Hugging Face's ``Conv1D``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group,
+        parts: int = 1,
+        gather_output: bool = False,
+        overlap_backward: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        dense = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._take(dense, group, parts, gather_output, overlap_backward, transposed=False)
+
+    def _take(self, dense, group, parts, gather_output, overlap_backward, transposed) -> None:
+        self.group = group
+        self.parts = parts
+        self.gather_output = gather_output
+        self.overlap_backward = overlap_backward
+        self.transposed = transposed
+        out_dim = 1 if transposed else 0
+        self.in_features = dense.weight.shape[1 - out_dim]
+        self.out_features = dense.weight.shape[out_dim] // dist.get_world_size(group)
+        self.weight = _split_parameter(
+            dense.weight, out_dim, parts, group, "ColumnParallelLinear weight"
+        )
+        self.bias = _bias_split(dense.bias, parts, group, "ColumnParallelLinear bias")
+
+    @classmethod
+    def from_dense(
+        cls,
+        dense: nn.Module,
+        *,
+        group,
+        parts: int = 1,
+        gather_output: bool = False,
+        overlap_backward: bool = True,
+        transposed: bool = False,
+        weight: nn.Parameter | None = None,
+    ) -> ColumnParallelLinear:
+        """``dense``'s (an ``nn.Linear``, or with ``transposed`` a ``Conv1D``) output features
+        split over ``group``; ``weight``, when given, is an already split parameter to use
+        instead (a head tied to a vocab-parallel embedding)."""
+        layer = _blank(cls)
+        layer._take(dense, group, parts, gather_output, overlap_backward, transposed)
+        if weight is not None:
+            if weight.shape != layer.weight.shape:
+                raise ValueError(
+                    f"tensor parallelism: tied weight of shape {tuple(weight.shape)} does not "
+                    f"match the split {tuple(layer.weight.shape)}"
+                )
+            layer.weight = weight
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _ColumnParallelMatmul.apply(
+            x, self.weight, self.bias, self.group, self.overlap_backward, self.transposed
+        )
+        return gather_from_region(y, self.group) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} (per rank), "
+            f"bias={self.bias is not None}, parts={self.parts}, transposed={self.transposed}"
+        )
+
+
+class RowParallelLinear(nn.Module):
+    """``nn.Linear`` with its input features split over ``group`` (see the module doc).
+    ``transposed``: the weight is stored ``(in, out)``, as in Hugging Face's ``Conv1D``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        group,
+        input_is_parallel: bool = True,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        dense = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._take(dense, group, input_is_parallel, transposed=False)
+
+    def _take(self, dense, group, input_is_parallel, transposed) -> None:
+        self.group = group
+        self.input_is_parallel = input_is_parallel
+        self.transposed = transposed
+        in_dim = 0 if transposed else 1
+        self.in_features = dense.weight.shape[in_dim] // dist.get_world_size(group)
+        self.out_features = dense.weight.shape[1 - in_dim]
+        self.weight = _split_parameter(dense.weight, in_dim, 1, group, "RowParallelLinear weight")
+        # The bias is added once, after the sum: every rank holds it whole (replicated).
+        bias = dense.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone())
+
+    @classmethod
+    def from_dense(
+        cls, dense: nn.Module, *, group, input_is_parallel: bool = True, transposed: bool = False
+    ) -> RowParallelLinear:
+        """``dense``'s (an ``nn.Linear``, or with ``transposed`` a ``Conv1D``) input features
+        split over ``group``."""
+        layer = _blank(cls)
+        layer._take(dense, group, input_is_parallel, transposed)
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_region(x, self.group)
+        y = reduce_from_region(_linear(x, self.weight, None, self.transposed), self.group)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features} (per rank), out_features={self.out_features}, "
+            f"bias={self.bias is not None}, transposed={self.transposed}"
+        )
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding`` with its rows (the vocabulary) split over ``group``."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        group,
+        padding_idx: int | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        dense = nn.Embedding(
+            num_embeddings, embedding_dim, padding_idx=padding_idx, device=device, dtype=dtype
+        )
+        self._take(dense, group)
+
+    def _take(self, dense: nn.Embedding, group) -> None:
+        if dense.max_norm is not None or dense.sparse:
+            raise ValueError(
+                "tensor parallelism: VocabParallelEmbedding does not take max_norm or sparse "
+                "embeddings (their renormalisation and sparse gradients are per whole table)"
+            )
+        self.group = group
+        self.num_embeddings = dense.num_embeddings
+        self.embedding_dim = dense.embedding_dim
+        self.weight = _split_parameter(dense.weight, 0, 1, group, "VocabParallelEmbedding")
+        rows = self.weight.shape[0]
+        self.vocab_start = dist.get_rank(group) * rows
+        self.vocab_end = self.vocab_start + rows
+        padding = dense.padding_idx
+        self.padding_idx = (
+            padding - self.vocab_start
+            if padding is not None and self.vocab_start <= padding < self.vocab_end
+            else None
+        )
+
+    @classmethod
+    def from_dense(cls, embedding: nn.Embedding, *, group) -> VocabParallelEmbedding:
+        layer = _blank(cls)
+        layer._take(embedding, group)
+        return layer
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        outside = (tokens < self.vocab_start) | (tokens >= self.vocab_end)
+        local = (tokens - self.vocab_start).masked_fill(outside, 0)
+        rows = F.embedding(local, self.weight, self.padding_idx)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_region(rows, self.group)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{self.num_embeddings}, {self.embedding_dim}, rows "
+            f"{self.vocab_start}..{self.vocab_end - 1} on this rank"
+        )

@@ -1,0 +1,320 @@
+"""Turning a dense model into a tensor-parallel one: ``parallelize(model, group, plan)``.
+
+A *plan* maps module names to styles, first matching rule wins:
+
+* ``"colwise"``: an ``nn.Linear`` (or Hugging Face ``Conv1D``) becomes ``ColumnParallelLinear``
+  (``Rule.parts`` > 1 for fused projections such as a GPT's QKV, split per block so each rank
+  keeps whole heads);
+* ``"rowwise"``: it becomes ``RowParallelLinear``;
+* ``"vocab"``: an ``nn.Embedding`` becomes ``VocabParallelEmbedding``, an ``nn.Linear`` LM head a
+  column-parallel layer over the vocabulary (keeping its tie to the embedding), and an
+  ``nn.CrossEntropyLoss`` a ``VocabParallelCrossEntropy``, so logits are never gathered;
+* ``"skip"``: left replicated.
+
+A plan is given as ``{regex: style}`` (``re.fullmatch`` on the module's qualified name), as a
+list of ``Rule``, or found for the layouts zerolap knows (``auto_plan``): its own demo GPT, Hugging
+Face GPT-2, and Llama-style decoders (Llama, Mistral, Qwen2/3). Attention modules whose head
+counts are attributes get them divided by T; a head count T does not divide is a named error,
+since a split that cuts through a head computes something else silently.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from torch import nn
+
+import zerolap.comm as dist
+from zerolap.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+from zerolap.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+
+__all__ = [
+    "STYLES",
+    "Rule",
+    "TPPlan",
+    "auto_plan",
+    "parallelize",
+    "plan_from_config",
+    "preset_plan",
+]
+
+STYLES = ("colwise", "rowwise", "vocab", "skip")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Modules whose qualified name matches ``pattern`` (``re.fullmatch``) take ``style``."""
+
+    pattern: str
+    style: str
+    parts: int = 1
+    """Fused projections: the output features are this many equal blocks, each split."""
+    gather_output: bool = False
+    """Column-parallel only: all-gather the output so the next layer sees it whole."""
+    on_weight: bool = False
+    """Match DeepSpeed's way: ``re.match`` on the module's weight name (``<module>.weight``)."""
+
+    def matches(self, name: str) -> bool:
+        if self.on_weight:
+            return re.match(self.pattern, f"{name}.weight") is not None
+        return re.fullmatch(self.pattern, name) is not None
+
+    def __post_init__(self) -> None:
+        if self.style not in STYLES:
+            raise ValueError(
+                f"tensor-parallel plan: style {self.style!r} for {self.pattern!r} is not one of "
+                f"{', '.join(STYLES)}"
+            )
+        try:
+            re.compile(self.pattern)
+        except re.error as err:
+            raise ValueError(f"tensor-parallel plan: bad pattern {self.pattern!r}: {err}") from err
+
+
+@dataclass(frozen=True)
+class TPPlan:
+    """Rules, plus what to fix after the split: ``divide`` maps a module class name to the
+    attributes (head counts, split widths) divided by T; ``heads`` names ``model.config``
+    fields (head counts) that T must divide."""
+
+    rules: tuple[Rule, ...]
+    divide: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    heads: tuple[str, ...] = ()
+    name: str = "custom"
+    strict: bool = False
+    """Every ``nn.Linear`` / ``Conv1D`` must be matched by a rule (``skip`` counts)."""
+
+
+def _gpt_plan() -> TPPlan:
+    block = r"blocks\.\d+\."
+    return TPPlan(
+        rules=(
+            Rule(block + r"attn\.qkv", "colwise", parts=3),
+            Rule(block + r"attn\.proj", "rowwise"),
+            Rule(block + r"mlp\.0", "colwise"),
+            Rule(block + r"mlp\.2", "rowwise"),
+            Rule("tok_emb", "vocab"),
+            Rule("head", "vocab"),
+            Rule("criterion", "vocab"),
+        ),
+        divide={"CausalSelfAttention": ("n_head",)},
+        name="zerolap GPT",
+    )
+
+
+def _gpt2_plan() -> TPPlan:
+    block = r"(.*\.)?h\.\d+\."
+    return TPPlan(
+        rules=(
+            Rule(block + r"attn\.c_attn", "colwise", parts=3),
+            Rule(block + r"attn\.c_proj", "rowwise"),
+            Rule(block + r"mlp\.c_fc", "colwise"),
+            Rule(block + r"mlp\.c_proj", "rowwise"),
+        ),
+        divide={"GPT2Attention": ("num_heads", "split_size")},
+        heads=("n_head",),
+        name="Hugging Face GPT-2",
+    )
+
+
+def _llama_plan() -> TPPlan:
+    return TPPlan(
+        rules=(
+            Rule(r".*\.self_attn\.(q|k|v)_proj", "colwise"),
+            Rule(r".*\.self_attn\.o_proj", "rowwise"),
+            Rule(r".*\.mlp\.(gate|up)_proj", "colwise"),
+            Rule(r".*\.mlp\.down_proj", "rowwise"),
+        ),
+        heads=("num_attention_heads", "num_key_value_heads"),
+        name="Llama-style decoder",
+    )
+
+
+_PRESETS = {
+    "gpt": _gpt_plan,
+    "gpt2": _gpt2_plan,
+    "llama": _llama_plan,
+    "mistral": _llama_plan,
+    "qwen2": _llama_plan,
+    "qwen3": _llama_plan,
+}
+
+
+def preset_plan(name: str) -> TPPlan:
+    """The plan zerolap keeps for ``name`` (``tensor_parallel.preset_model``)."""
+    if name not in _PRESETS:
+        raise ValueError(
+            f"tensor_parallel.preset_model={name!r} is not a layout zerolap knows; known: "
+            f"{', '.join(sorted(_PRESETS))} (or give partition_config.layer_specs)"
+        )
+    return _PRESETS[name]()
+
+
+def auto_plan(model: nn.Module) -> TPPlan:
+    """The plan for a model of a layout zerolap knows, found from its classes and config."""
+    from zerolap.demo.gpt import GPT
+
+    if isinstance(model, GPT):
+        return _gpt_plan()
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in _PRESETS:
+        return _PRESETS[model_type]()
+    raise ValueError(
+        f"tensor parallelism: no plan for a {type(model).__name__} (model_type={model_type!r}); "
+        "give tensor_parallel.partition_config.layer_specs or tensor_parallel.preset_model, "
+        "or call zerolap.tensor_parallel.parallelize(model, group, plan={regex: style})"
+    )
+
+
+def plan_from_config(config, model: nn.Module) -> TPPlan:
+    """The plan a ds_config ``tensor_parallel`` section describes for ``model``: its
+    ``partition_config.layer_specs`` first (LM heads named by ``lm_head_patterns`` kept
+    whole), then, with ``use_default_specs``, the ``preset_model`` plan or ``auto_plan``."""
+    partition = config.partition_config
+    default = preset_plan(config.preset_model) if config.preset_model else None
+    if partition is None:
+        return default or auto_plan(model)
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    rules = [Rule(rf"(.*\.)?{re.escape(p)}", "skip") for p in partition.lm_head_patterns]
+    styles = {"column": "colwise", "row": "rowwise", "skip": "skip"}
+    for spec in partition.layer_specs:
+        if spec.model_types is not None and model_type not in spec.model_types:
+            continue
+        rules += [
+            Rule(
+                pattern,
+                styles[spec.partition_type],
+                parts=spec.parts,
+                gather_output=spec.gather_output,
+                on_weight=True,
+            )
+            for pattern in spec.patterns
+        ]
+    divide, heads, name = {}, (), "partition_config"
+    if partition.use_default_specs:
+        base = default or auto_plan(model)
+        rules += base.rules
+        divide, heads, name = base.divide, base.heads, f"partition_config + {base.name}"
+    return TPPlan(tuple(rules), divide, heads, name, strict=partition.strict_mode)
+
+
+def as_plan(plan) -> TPPlan:
+    if isinstance(plan, TPPlan):
+        return plan
+    if isinstance(plan, dict):
+        return TPPlan(tuple(Rule(pattern, style) for pattern, style in plan.items()))
+    return TPPlan(tuple(plan))
+
+
+def parallelize(model: nn.Module, group, plan=None, *, overlap_backward: bool = False) -> nn.Module:
+    """Split ``model``'s layers over the tensor group ``group`` by ``plan`` (``auto_plan`` when
+    None), in place; returns ``model``. Every rank of the group must call it on the same dense
+    model (same seed): each keeps its own slices."""
+    count = dist.get_world_size(group)
+    if count == 1:
+        return model
+    plan = auto_plan(model) if plan is None else as_plan(plan)
+    _check_heads(model, plan, count)
+    _divide(model, plan, count, apply=False)
+    # Every rule decided and checked before the first layer is split: an error leaves the
+    # model as it was.
+    chosen = []
+    for name, module in model.named_modules():
+        rule = next((r for r in plan.rules if r.matches(name)), None)
+        if rule is None and plan.strict and (isinstance(module, nn.Linear) or _transposed(module)):
+            raise ValueError(
+                f"tensor parallelism: {name} ({type(module).__name__}) matches no layer spec "
+                "and partition_config.strict_mode is on"
+            )
+        if rule is not None and rule.style != "skip":
+            chosen.append((name, module, rule))
+    if not chosen:
+        raise ValueError(
+            f"tensor parallelism: the {plan.name} plan matched no module of the "
+            f"{type(model).__name__}"
+        )
+    split: dict[int, nn.Parameter] = {}  # id(dense weight) -> its split (tied weights stay tied)
+    for name, module, rule in chosen:
+        _replace(model, name, _convert(name, module, rule, group, split, overlap_backward))
+    _divide(model, plan, count, apply=True)
+    return model
+
+
+def _transposed(module: nn.Module) -> bool:
+    """Hugging Face's ``Conv1D`` stores its weight ``(in, out)``."""
+    return type(module).__name__ == "Conv1D"
+
+
+def _convert(name, module, rule: Rule, group, split, overlap) -> nn.Module:
+    kind = type(module).__name__
+    linear = isinstance(module, nn.Linear) or _transposed(module)
+    if rule.style == "colwise" and linear:
+        layer = ColumnParallelLinear.from_dense(
+            module,
+            group=group,
+            parts=rule.parts,
+            gather_output=rule.gather_output,
+            overlap_backward=overlap,
+            transposed=_transposed(module),
+        )
+    elif rule.style == "rowwise" and linear:
+        layer = RowParallelLinear.from_dense(module, group=group, transposed=_transposed(module))
+    elif rule.style == "vocab" and isinstance(module, nn.Embedding):
+        layer = VocabParallelEmbedding.from_dense(module, group=group)
+        if id(module.weight) in split:  # its tied head came first
+            layer.weight = split[id(module.weight)]
+        split[id(module.weight)] = layer.weight
+    elif rule.style == "vocab" and isinstance(module, nn.Linear):
+        layer = ColumnParallelLinear.from_dense(
+            module, group=group, overlap_backward=overlap, weight=split.get(id(module.weight))
+        )
+        split[id(module.weight)] = layer.weight
+    elif rule.style == "vocab" and isinstance(module, nn.CrossEntropyLoss):
+        if module.weight is not None or module.label_smoothing or module.reduction != "mean":
+            raise ValueError(
+                f"tensor parallelism: {name} ({kind}) uses class weights, label smoothing or a "
+                "reduction other than mean, which the vocab-parallel cross-entropy does not"
+            )
+        layer = VocabParallelCrossEntropy(group, ignore_index=module.ignore_index)
+    else:
+        raise ValueError(
+            f"tensor parallelism: the plan says {rule.style!r} for {name}, a {kind}; "
+            "colwise/rowwise take nn.Linear or Conv1D, vocab takes nn.Embedding, an "
+            "nn.Linear LM head or nn.CrossEntropyLoss"
+        )
+    return layer
+
+
+def _replace(model: nn.Module, name: str, replacement: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, replacement)
+
+
+def _check_heads(model: nn.Module, plan: TPPlan, count: int) -> None:
+    config = getattr(model, "config", None)
+    for key in plan.heads:
+        value = getattr(config, key, None)
+        if value is not None and value % count:
+            raise ValueError(
+                f"tensor parallelism: {key}={value} of the {type(model).__name__} is not "
+                f"divisible by the tensor-parallel size {count}"
+            )
+
+
+def _divide(model: nn.Module, plan: TPPlan, count: int, *, apply: bool) -> None:
+    for name, module in model.named_modules():
+        for attribute in plan.divide.get(type(module).__name__, ()):
+            value = getattr(module, attribute)
+            if value % count:
+                raise ValueError(
+                    f"tensor parallelism: {name}.{attribute}={value} is not divisible by the "
+                    f"tensor-parallel size {count}"
+                )
+            if apply:
+                setattr(module, attribute, value // count)
