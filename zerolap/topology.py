@@ -74,7 +74,9 @@ class Mesh:
     dims: ParallelDims
     rank: int
     data_group: torch_dist.ProcessGroup | None
-    tensor_group: torch_dist.ProcessGroup | None  # None when T == 1: nothing to talk about
+    # None when T == 1: nothing to talk about. Not a group of one (creating those is a
+    # collective every job would pay for), so callers must test ``dims.tensor > 1`` first.
+    tensor_group: torch_dist.ProcessGroup | None
 
     @property
     def data_rank(self) -> int:

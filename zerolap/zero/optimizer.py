@@ -145,6 +145,13 @@ class ZeroOptimizer:
         # unless they are swapped to disk (offload_param nvme): then a master keeps the
         # optimizer off the swap's few buffers, and the chunks are written once per step.
         self.mixed = self.store.dtype != torch.float32 or self.store.swap is not None
+        # What each run's squares count for in the global norm on this rank: everything,
+        # or (tensor ranks other than 0) only the pieces of split parameters.
+        self._norm_weights = torch.tensor(
+            [1.0 if self._count_replicated or r.split else 0.0 for r in self.runs] or [1.0],
+            dtype=torch.float64,
+            device=self.store.device,
+        )
         # ``swap`` (offload_optimizer: nvme) decides which sub-groups live on disk; the rest
         # stay in memory, their master values (if any) in one tensor.
         swapped = swap.choose(self.sub_groups) if swap is not None else []
@@ -296,8 +303,7 @@ class ZeroOptimizer:
         norms = torch._foreach_norm(grads) if grads else [self._zero]
         squares = torch.stack([n.double() for n in norms]).pow(2)
         if not self._count_replicated:
-            split = torch.tensor([r.split for r in self.runs] or [False], device=squares.device)
-            squares = squares * split
+            squares = squares * self._norm_weights
         return math.sqrt(self._agree(squares.sum().reshape(1), "sum")) / scale
 
     def copy_master_to_params(self, only: set[int] | None = None) -> None:
