@@ -60,6 +60,9 @@ def _demo(args: argparse.Namespace) -> int:
         raise CliError(f"--model-size must be one of {', '.join(MODEL_SIZES)}")
     if args.config and not Path(args.config).is_file():
         raise CliError(f"--config {args.config}: no such file")
+    _positive("--tp", args.tp)
+    if args.world_size % args.tp:
+        raise CliError(f"--tp {args.tp} does not divide --world-size {args.world_size}")
     options = DemoOptions(
         stage=args.stage,
         steps=args.steps,
@@ -67,6 +70,8 @@ def _demo(args: argparse.Namespace) -> int:
         config=args.config,
         out_dir=args.out,
         offload=args.offload,
+        tp=args.tp,
+        tp_overlap=args.tp_overlap,
     )
     _launch_local(run_demo, args.world_size, options)
     return 0
@@ -222,6 +227,15 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["none", "cpu", "nvme"],
         help="offload_optimizer (and offload_param at stage 3); nvme swaps to <out>/swap",
     )
+    demo.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel size, dividing --world-size"
+    )
+    demo.add_argument(
+        "--tp-overlap",
+        default="full",
+        choices=["off", "backward", "full"],
+        help="tensor_parallel.overlap with --tp > 1 (default full)",
+    )
     demo.set_defaults(run=_demo)
 
     run = commands.add_parser("run", help="launch a training script through torchrun")
@@ -240,7 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--which",
         nargs="+",
         default=["comm_bench", "zero_bench"],
-        choices=["comm_bench", "zero_bench", "checkpoint_bench"],
+        choices=["comm_bench", "zero_bench", "checkpoint_bench", "offload_bench", "tp_bench"],
     )
     bench.set_defaults(run=_bench)
 

@@ -54,3 +54,26 @@ def test_spans_are_clipped_to_the_step_and_no_comm_means_eta_one():
     s = overlap_stats([(-5, 2)], [(1, 20)], step=(0, 4))
     assert (s.compute_s, s.comm_s, s.exposed_comm_s) == (2, 3, 2)
     assert overlap_stats([(0, 1)], [], step=(0, 1)).eta == 1.0
+
+
+def test_exposure_per_kind_from_the_records():
+    """T_comm is the union of the collectives' spans, exposed the union of the waits on them."""
+    from zerolap.comm.logger import CommRecord
+    from zerolap.profiling.overlap import exposure
+
+    def record(op, start, end, waited=None, size=100):
+        return CommRecord(op, size, size, 2, start, end, waited=waited)
+
+    records = [
+        record("tp_forward_all_reduce", 0.0, 2.0, waited=(1.5, 2.0)),
+        record("tp_forward_all_reduce", 1.0, 3.0, waited=(2.5, 3.0)),  # queued behind the first
+        record("tp_backward_all_reduce", 5.0, 6.0),  # never waited for: fully hidden
+        record("tp_backward_all_reduce", 7.0, None),  # not completed: not counted
+        record("all_reduce", 0.0, 9.0, waited=(0.0, 9.0)),
+    ]
+    got = exposure(records, ("tp_forward_all_reduce", "tp_backward_all_reduce"))
+    forward, backward = got["tp_forward_all_reduce"], got["tp_backward_all_reduce"]
+    assert (forward.count, forward.message_bytes) == (2, 200)
+    assert forward.comm_s == pytest.approx(3.0) and forward.exposed_s == pytest.approx(1.0)
+    assert forward.eta == pytest.approx(2 / 3)
+    assert (backward.count, backward.comm_s, backward.exposed_s, backward.eta) == (1, 1.0, 0.0, 1.0)

@@ -1,6 +1,7 @@
 """Each tensor-parallel layer against the dense layer it was cut from: outputs, input
 gradients and weight gradients equal the dense ones (or their slices) to 1e-6 relative in
-fp32, with the backward all-reduce overlapped or not (bitwise the same), on 2 and 4 ranks."""
+fp32, with the backward all-reduce overlapped or not (bitwise the same), on 2 and 4 ranks; a
+whole GPT likewise with each overlap, the full one running its blocks as two lanes."""
 
 from __future__ import annotations
 
@@ -125,7 +126,7 @@ def check_embedding_and_loss() -> None:
     close(split.weight.grad, _slice(embedding.weight.grad, 0), "tied embedding grad")
 
 
-def check_fused_gpt_attention() -> list[torch.Tensor]:
+def check_fused_gpt_attention(overlap: str, batch: int) -> list[torch.Tensor]:
     """A whole demo GPT, dense against auto-parallelized: equal loss and gradients."""
     from zerolap.demo.gpt import GPT, GPTConfig, synthetic_batch
 
@@ -133,8 +134,8 @@ def check_fused_gpt_attention() -> list[torch.Tensor]:
     torch.manual_seed(0)
     dense = GPT(cfg)
     torch.manual_seed(0)
-    model = parallelize(GPT(cfg), None, overlap_backward=True)
-    tokens, targets = synthetic_batch(cfg, 3, seed=4)
+    model = parallelize(GPT(cfg), None, overlap=overlap)
+    tokens, targets = synthetic_batch(cfg, batch, seed=4)
     dense(tokens, targets).backward()
     loss = model(tokens, targets)
     close(loss, dense(tokens, targets).detach(), "GPT loss")
@@ -173,5 +174,7 @@ def test_vocab_parallel_embedding_head_and_loss(ranks, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_gpt_parallelized_equals_dense(ranks, world_size):
-    ranks(world_size).run(check_fused_gpt_attention)
+@pytest.mark.parametrize("overlap", ["off", "backward", "full"])
+def test_gpt_parallelized_equals_dense(ranks, world_size, overlap):
+    """Full overlap splits each block's micro-batch (5: halves of 3 and 2) into two lanes."""
+    ranks(world_size).run(check_fused_gpt_attention, overlap, 5)

@@ -35,13 +35,13 @@ def _hf(arch: str):
     return AutoModelForCausalLM.from_config(config).float()
 
 
-def check_hf_equals_dense(arch: str, overlap: bool) -> None:
+def check_hf_equals_dense(arch: str, overlap: str) -> None:
     dense, split = _hf(arch), _hf(arch)
-    parallelize(split, None, overlap_backward=overlap)
+    parallelize(split, None, overlap=overlap)
     ids = torch.randint(VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
-    want = dense(input_ids=ids, labels=ids).loss
+    want = dense(input_ids=ids, labels=ids, use_cache=False).loss
     want.backward()
-    got = split(input_ids=ids, labels=ids).loss
+    got = split(input_ids=ids, labels=ids, use_cache=False).loss
     torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
     got.backward()
     dense_params = dict(dense.named_parameters())
@@ -55,9 +55,25 @@ def check_hf_equals_dense(arch: str, overlap: bool) -> None:
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_hugging_face_models_split_by_auto_plan(ranks, arch):
+@pytest.mark.parametrize("overlap", ["backward", "full"])
+def test_hugging_face_models_split_by_auto_plan(ranks, arch, overlap):
+    """Full overlap runs each decoder layer's two batch halves as lanes; the layers' masks and
+    rotary tables are split or shared as they are per-sample or not."""
     pytest.importorskip("transformers")
-    ranks(2).run(check_hf_equals_dense, arch, True)
+    ranks(2).run(check_hf_equals_dense, arch, overlap)
+
+
+def check_hf_cache_refused() -> None:
+    model = _hf("llama")
+    parallelize(model, None, overlap="full")
+    ids = torch.randint(VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match=r"DynamicCache.*use_cache=False"):
+        model(input_ids=ids, labels=ids, use_cache=True)
+
+
+def test_full_overlap_refuses_a_kv_cache(ranks):
+    pytest.importorskip("transformers")
+    ranks(2).run(check_hf_cache_refused)
 
 
 def split_indivisible_heads() -> tuple[str, bool]:
@@ -159,3 +175,20 @@ def test_tensor_parallel_keys_without_a_size_are_said():
     assert load_config(config, world_size=1).advice() == [
         "tensor_parallel.tp_overlap_comm: no effect without tensor_parallel.autotp_size > 1"
     ]
+
+
+def test_overlap_choices_checked_before_training():
+    base = {"train_micro_batch_size_per_gpu": 2}
+    contradiction = base | {"tensor_parallel": {"overlap": "off", "tp_overlap_comm": True}}
+    with pytest.raises(ConfigError, match=r"tensor_parallel\.overlap: overlap: off contradicts"):
+        load_config(contradiction, world_size=2)
+    full_stage3 = base | {
+        "tensor_parallel": {"autotp_size": 2, "overlap": "full"},
+        "zero_optimization": {"stage": 3},
+    }
+    with pytest.raises(ConfigError, match=r"tensor_parallel\.overlap, zero_optimization\.stage"):
+        load_config(full_stage3, world_size=2)
+    with pytest.raises(ConfigError, match=r"tensor_parallel\.overlap"):
+        load_config(base | {"tensor_parallel": {"overlap": "sometimes"}}, world_size=2)
+    backward = load_config(base | {"tensor_parallel": {"tp_overlap_comm": True}}, world_size=1)
+    assert backward.tensor_parallel.overlap_mode == "backward"

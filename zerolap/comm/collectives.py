@@ -80,12 +80,14 @@ def launch(
     root: int | None = None,
     value: object = None,
     finalize: Callable[[], None] | None = None,
+    log_name: str | None = None,
 ) -> Handle | object:
     """Open ``op``'s log record, call ``start`` (which launches the backend op asynchronously)
     and wrap its work in a ``Handle``; wait here unless ``async_op``. The record's message is
     ``message``'s bytes unless ``message_bytes`` is given (0 with no message, as for a barrier),
-    its wire bytes ``ring_wire_bytes`` of that unless ``wire_bytes`` is given. Shared by every op
-    module of ``zerolap.comm``."""
+    its wire bytes ``ring_wire_bytes`` of that unless ``wire_bytes`` is given; the record is
+    named ``log_name`` when given (DeepSpeed's way of telling one caller's ops apart). Shared by
+    every op module of ``zerolap.comm``."""
     record = None
     if COMMS_LOGGER.enabled:
         size = message_bytes
@@ -95,7 +97,7 @@ def launch(
         if wire is None:
             wire = ring_wire_bytes(op, size, info.size, group_rank=info.rank, root=root)
         device = info.device() if message is None else message.device
-        record = COMMS_LOGGER.start(op, size, wire, info.size, device)
+        record = COMMS_LOGGER.start(log_name or op, size, wire, info.size, device)
     handle = Handle(
         start(), lambda: info.describe(op), value=value, finalize=finalize, record=record
     )
@@ -111,7 +113,14 @@ def _divider(tensor: torch.Tensor, op, info: GroupInfo) -> Callable[[], None] | 
     return None
 
 
-def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Group = None, async_op=False):
+def all_reduce(
+    tensor: torch.Tensor,
+    op=ReduceOp.SUM,
+    group: Group = None,
+    async_op=False,
+    *,
+    log_name: str | None = None,
+):
     info = check_group("all_reduce", group)
     check_tensor("all_reduce", "tensor", tensor, info)
     op = parse_reduce_op(op)
@@ -124,6 +133,7 @@ def all_reduce(tensor: torch.Tensor, op=ReduceOp.SUM, group: Group = None, async
         lambda: torch_dist.all_reduce(tensor, native, group=group, async_op=True),
         async_op,
         finalize=_divider(tensor, op, info),
+        log_name=log_name,
     )
 
 

@@ -3,11 +3,13 @@
 A ``Handle`` wraps the backend's work (a torch ``Work``, or the future of a ring running on its
 worker thread). ``wait()`` blocks until the op is done, runs its completion step once (gloo's
 average divides here) and is a no-op after that; ``is_completed()`` polls without blocking.
-A failure surfaces as ``CommError`` naming the rank that waited, the op and the group.
+A failure surfaces as ``CommError`` naming the rank that waited, the op and the group. The
+logged record keeps when the caller blocked in ``wait()``: how much of the op was exposed.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from datetime import timedelta
@@ -53,6 +55,7 @@ class Handle:
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self._done:
             return True
+        began = time.perf_counter()
         try:
             if isinstance(self._work, Future):
                 result = self._work.result(None if timeout is None else timeout.total_seconds())
@@ -67,6 +70,7 @@ class Handle:
         if self._finalize is not None:
             self._finalize()
         if self._record is not None:
+            self._record.waited = (began, time.perf_counter())
             # Usually closed already by the completion callback; finish() is idempotent.
             COMMS_LOGGER.finish(self._record)
         return True

@@ -53,6 +53,8 @@ class CommRecord:
     start: float
     end: float | None = None
     cuda_events: tuple | None = None  # (start, end) events, resolved lazily
+    waited: tuple[float, float] | None = None
+    """When the caller blocked in ``wait()`` for it: the part of the op nothing hid."""
 
     @property
     def closed(self) -> bool:

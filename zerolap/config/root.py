@@ -137,6 +137,15 @@ class ZerolapConfig(DeepSpeedKeys):
             problems.append(
                 Problem(("zero_optimization.compute_grad_norm", "gradient_clipping"), message)
             )
+        tp = self.tensor_parallel
+        if tp.size > 1 and tp.overlap_mode == "full" and self.zero_optimization.stage == 3:
+            # Stage 3 gathers and releases a module's parameters around each call; the two
+            # lanes call every module of a block twice, interleaved, inside one gathering.
+            message = "full overlap splits blocks into lanes, which stage 3 does not support; "
+            message += "use overlap: backward with stage 3, or stages 0-2"
+            problems.append(
+                Problem(("tensor_parallel.overlap", "zero_optimization.stage"), message)
+            )
         world_size = context.get("world_size")
         if world_size is not None:
             try:

@@ -90,14 +90,33 @@ class TensorParallelConfig(ConfigSection):
     """Tensor-parallel degree T; 0 or 1 is off. T must divide the world size; ranks
     ``k*T .. k*T+T-1`` form one tensor group."""
     tp_overlap_comm: bool = False
-    """Start each column-parallel layer's input-gradient all-reduce before its weight gradient
-    is computed, and wait after (results are identical)."""
+    """DeepSpeed's: start each column-parallel layer's input-gradient all-reduce before its
+    weight gradient is computed, and wait after (results are identical). Means
+    ``overlap: backward``."""
+    overlap: Literal["off", "backward", "full"] | None = None
+    """zerolap's: which all-reduces hide. ``backward`` as ``tp_overlap_comm``; ``full`` also
+    splits each block's micro-batch in two so that one half's forward all-reduces run under the
+    other half's compute, and the backward likewise (results equal to rounding). Unset: what
+    ``tp_overlap_comm`` says."""
     partition_config: PartitionConfig | None = None
     """Which layers split how; without it, the plan of ``preset_model`` or the one zerolap
     finds for the model (its demo GPT, Hugging Face GPT-2, Llama-style decoders)."""
     preset_model: str | None = None
     """A named plan: ``gpt`` (zerolap's demo), ``gpt2``, ``llama``, ``mistral``, ``qwen2``,
     ``qwen3``."""
+
+    @property
+    def overlap_mode(self) -> str:
+        """The overlap in force: ``overlap`` when set, else ``tp_overlap_comm``'s."""
+        if self.overlap is not None:
+            return self.overlap
+        return "backward" if self.tp_overlap_comm else "off"
+
+    def _check(self, context: Mapping[str, Any]) -> list[Problem]:
+        if self.overlap == "off" and self.tp_overlap_comm:
+            message = "overlap: off contradicts tp_overlap_comm: true; set one of them"
+            return [Problem(("overlap",), message)]
+        return []
 
     @property
     def size(self) -> int:
@@ -109,7 +128,7 @@ class TensorParallelConfig(ConfigSection):
             return []
         idle = [
             key
-            for key in ("tp_overlap_comm", "partition_config", "preset_model")
+            for key in ("tp_overlap_comm", "overlap", "partition_config", "preset_model")
             if key in self.model_fields_set and getattr(self, key) not in (None, False)
         ]
         if not idle:

@@ -7,7 +7,9 @@ communication hid behind compute, and a timeline of the last steps.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import statistics
 import time
 import warnings
 from dataclasses import dataclass
@@ -19,7 +21,8 @@ import zerolap
 import zerolap.comm as dist
 from zerolap.demo.corpus import CharTokenizer, corpus_text
 from zerolap.demo.gpt import GPT, GPTConfig
-from zerolap.profiling.profiler import StepProfiler
+from zerolap.profiling.profiler import TP_KINDS, StepProfiler
+from zerolap.tensor_parallel.mappings import gather_last_dim, skipped_collectives
 
 __all__ = ["DemoOptions", "run_demo"]
 
@@ -39,6 +42,8 @@ class DemoOptions:
     config: str | None = None  # a ds_config JSON path; replaces the built-in config
     out_dir: str = "runs/demo"
     offload: str = "none"  # none, cpu or nvme: offload_optimizer (and offload_param at stage 3)
+    tp: int = 1  # tensor-parallel size (tensor_parallel.autotp_size)
+    tp_overlap: str = "full"  # tensor_parallel.overlap when tp > 1
 
 
 def _offload(options: DemoOptions) -> dict:
@@ -77,6 +82,9 @@ def _ds_config(options: DemoOptions) -> dict | str:
             "stage3_param_persistence_threshold": 10_000,
             **_offload(options),
         },
+        "tensor_parallel": {"autotp_size": options.tp, "overlap": options.tp_overlap}
+        if options.tp > 1
+        else {},
     }
 
 
@@ -88,11 +96,14 @@ def _batch(data: torch.Tensor, seq_len: int, size: int, seed: int):
 
 
 @torch.no_grad()
-def _sample(model: GPT, tokenizer: CharTokenizer, prompt: str, length: int) -> str:
+def _sample(model: GPT, tokenizer: CharTokenizer, prompt: str, length: int, tensor_group) -> str:
     ids = tokenizer.encode(prompt).unsqueeze(0)
     g = torch.Generator().manual_seed(0)
     for _ in range(length):
         logits = model.logits(ids[:, -model.cfg.seq_len :])[:, -1]
+        if tensor_group is not None:  # each rank of the tensor group holds a slice of the vocab
+            logits = gather_last_dim(logits, tensor_group)
+        logits = logits[:, : tokenizer.vocab_size]  # the rows padding the vocab never occur
         probs = torch.softmax(logits / 0.8, dim=-1)
         ids = torch.cat([ids, torch.multinomial(probs, 1, generator=g)], dim=1)
     return tokenizer.decode(ids[0])
@@ -101,11 +112,16 @@ def _sample(model: GPT, tokenizer: CharTokenizer, prompt: str, length: int) -> s
 def _train(engine, data, options: DemoOptions, seq_len: int, profiler: StepProfiler) -> list:
     from tqdm import tqdm
 
-    rank, world = dist.get_rank(), dist.get_world_size()
+    # Ranks of one tensor group train on the same batch; data-parallel ranks on their own.
+    rank, world = engine.get_data_parallel_rank(), engine.dp_world_size
     tokens_per_step = options.micro_batch * seq_len * world
     losses = []
     bar = tqdm(
-        range(options.steps), desc="zerolap demo", disable=rank != 0, ncols=100, mininterval=1.0
+        range(options.steps),
+        desc="zerolap demo",
+        disable=dist.get_rank() != 0,
+        ncols=100,
+        mininterval=1.0,
     )
     began = time.perf_counter()
     with profiler:
@@ -120,24 +136,46 @@ def _train(engine, data, options: DemoOptions, seq_len: int, profiler: StepProfi
     return losses
 
 
+def _skipped_step_s(engine, data, options: DemoOptions, seq_len: int) -> tuple[float, float]:
+    """Median step time of a few steps as trained, and of as many with the tensor-parallel
+    all-reduces skipped (the step if that communication were free), alternating. Run last: the
+    skipped steps' updates are wrong, and nothing uses the model after them."""
+    rank, world = engine.get_data_parallel_rank(), engine.dp_world_size
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for index in range(2 * TIMELINE_STEPS):
+        skip = index % 2 == 1
+        inputs, targets = _batch(data, seq_len, options.micro_batch, seed=index * world + rank)
+        dist.barrier()
+        began = time.perf_counter()
+        with skipped_collectives() if skip else contextlib.nullcontext():
+            engine.backward(engine(inputs, targets))
+        engine.step()
+        times[skip].append(time.perf_counter() - began)
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
 def _report(engine, profiler: StepProfiler, losses: list, out: Path, text: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
+    data_world, tensor = engine.dp_world_size, engine.mp_world_size
     memory: list = [None] * world
     torch.distributed.all_gather_object(memory, engine.memory_breakdown().as_dict())
     comms = dist.log_summary() if rank == 0 else dist.COMMS_LOGGER.aggregate()
     numel = memory[0]["numel"]
     steps = len(losses)
-    wire = sum(r.wire_bytes for r in dist.COMMS_LOGGER.records) / max(steps, 1)
+    # ZeRO's traffic (over the data-parallel group) against its theory; TP's is reported apart.
+    zero_records = [r for r in dist.COMMS_LOGGER.records if r.op not in TP_KINDS]
+    wire = sum(r.wire_bytes for r in zero_records) / max(steps, 1)
     passes = 3 if engine.zero_optimization_stage() == 3 else 2  # stage 3 gathers twice
-    theory = passes * numel * (world - 1) / world * 4
+    theory = passes * numel * (data_world - 1) / data_world * 4
     overlap = profiler.summary()
     last = range(max(0, steps - TIMELINE_STEPS), steps)
     eta = overlap.get("eta", float("nan"))
+    layout = f"TP {tensor} x DP {data_world}" if tensor > 1 else f"{world} ranks"
     paths = profiler.export(
         out,
         steps=last,
         title=f"zerolap demo: ZeRO-{engine.zero_optimization_stage()}, "
-        f"{world} ranks, last {len(last)} steps, eta = {eta:.2f}",
+        f"{layout}, last {len(last)} steps, eta = {eta:.2f}",
     )
     summary = {
         "losses": losses,
@@ -147,21 +185,22 @@ def _report(engine, profiler: StepProfiler, losses: list, out: Path, text: str) 
         "overlap": overlap,
         "comms": comms,
         "sample": text,
+        "tensor_parallel": tensor,
     }
     if rank == 0:
-        _print_report(summary, paths, engine.zero_optimization_stage(), world)
+        _print_report(summary, paths, engine.zero_optimization_stage(), data_world, layout)
         (out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
 
 
-def _print_report(summary: dict, paths, stage: int, world: int) -> None:
+def _print_report(summary: dict, paths, stage: int, world: int, layout: str) -> None:
     losses = summary["losses"]
     print(
         f"\nloss {losses[0]:.3f} -> {sum(losses[-10:]) / len(losses[-10:]):.3f} "
         f"(mean of the last 10 steps)"
     )
     print(f"\nsample after training:\n{summary['sample']}\n")
-    print(f"model-state memory per rank (ZeRO-{stage}, {world} ranks, fp32 AdamW):")
+    print(f"model-state memory per rank (ZeRO-{stage}, {layout}, fp32 AdamW):")
     for m in summary["memory"]:
         print(
             f"  rank {m['rank']}: {m['total_bytes'] / 2**20:7.2f} MiB   expected "
@@ -174,11 +213,12 @@ def _print_report(summary: dict, paths, stage: int, world: int) -> None:
                 f"          swapped to disk {m['swapped_bytes'] / 2**20:7.2f} MiB (not resident), "
                 f"through swap buffers of {m['swap_buffer_bytes'] / 2**20:.2f} MiB"
             )
-    ratio = summary["wire_bytes_per_step"] / summary["wire_theory_bytes"]
-    print(
-        f"\nbytes sent per step per rank: {summary['wire_bytes_per_step'] / 2**20:.2f} MiB = "
-        f"{ratio:.3f} x the theory {3 if stage == 3 else 2}*Psi*(N-1)/N*4 B"
-    )
+    if world > 1:
+        ratio = summary["wire_bytes_per_step"] / summary["wire_theory_bytes"]
+        print(
+            f"\nbytes sent per step per rank: {summary['wire_bytes_per_step'] / 2**20:.2f} MiB = "
+            f"{ratio:.3f} x the theory {3 if stage == 3 else 2}*Psi*(N-1)/N*4 B"
+        )
     o = summary["overlap"]
     print(
         f"\noverlap over {o['steps']} steps (per step, mean): compute {o['compute_s'] * 1e3:.1f}"
@@ -189,6 +229,18 @@ def _print_report(summary: dict, paths, stage: int, world: int) -> None:
         f"step {o['step_s'] * 1e3:.1f} ms vs ideal max(compute, comm) {o['ideal_s'] * 1e3:.1f}"
         f" ms and serial compute + comm {o['serial_s'] * 1e3:.1f} ms"
     )
+    if summary["tensor_parallel"] > 1:
+        print(
+            f"\ntensor parallelism ({summary['tensor_parallel']} ranks per tensor group), per step:"
+        )
+        print("  all-reduces   MiB   T_comm ms  exposed ms  eta_TP")
+        for kind in ("tp_forward", "tp_backward"):
+            if f"{kind}_comm_s" in o:
+                print(
+                    f"  {kind.removeprefix('tp_'):<10} {o[f'{kind}_bytes'] / 2**20:6.2f}  "
+                    f"{o[f'{kind}_comm_s'] * 1e3:9.1f}  {o[f'{kind}_exposed_s'] * 1e3:10.1f}  "
+                    f"{o[f'{kind}_eta']:6.2f}"
+                )
     if paths:
         print(f"\ntimeline: {paths[1]}\ntrace (chrome://tracing, ui.perfetto.dev): {paths[0]}")
 
@@ -200,8 +252,10 @@ def run_demo(options: DemoOptions) -> dict:
     tokenizer = CharTokenizer(text)
     data = tokenizer.encode(text)
     shape = MODEL_SIZES[options.model_size]
+    # Tensor parallelism splits the vocabulary: pad it to a multiple of the tensor size.
+    vocab = -(-tokenizer.vocab_size // options.tp) * options.tp
     torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=tokenizer.vocab_size, **shape))
+    model = GPT(GPTConfig(vocab_size=vocab, **shape))
     engine, *_ = zerolap.initialize(model=model, config=_ds_config(options))
     if dist.get_rank() == 0:
         params = sum(p.numel() for p in model.parameters())
@@ -214,14 +268,25 @@ def run_demo(options: DemoOptions) -> dict:
     profiler = StepProfiler(engine, blocks=model.blocks)
     losses = _train(engine, data, options, shape["seq_len"], profiler)
     engine.eval()
-    if engine.zero_optimization_stage() == 3:  # every rank takes part in the gathers
+    tensor_group = engine.mpu.get_tensor_model_parallel_group() if options.tp > 1 else None
+    if engine.zero_optimization_stage() == 3 or tensor_group is not None:
+        # Every rank takes part: in stage 3's gathers, in tensor parallelism's all-reduces.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # generation leaves the trace
-            sample = _sample(model, tokenizer, "ZeRO ", 160)
+            sample = _sample(model, tokenizer, "ZeRO ", 160, tensor_group)
     else:
-        sample = _sample(model, tokenizer, "ZeRO ", 160) if dist.get_rank() == 0 else ""
+        sample = _sample(model, tokenizer, "ZeRO ", 160, None) if dist.get_rank() == 0 else ""
     out = Path(options.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     summary = _report(engine, profiler, losses, out, sample)
+    if tensor_group is not None:
+        engine.train()
+        trained, skipped = _skipped_step_s(engine, data, options, shape["seq_len"])
+        summary["tp_step_s"], summary["tp_skipped_step_s"] = trained, skipped
+        if dist.get_rank() == 0:
+            print(
+                f"step {trained * 1e3:.1f} ms against {skipped * 1e3:.1f} ms for the same step "
+                f"with its tensor-parallel all-reduces skipped ({trained / skipped:.2f}x)"
+            )
     dist.barrier()
     return summary

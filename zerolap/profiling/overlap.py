@@ -9,15 +9,23 @@ For one rank and one step, from its compute spans and its communication spans:
 
 and the step's wall time against the two bounds: perfect overlap takes max(T_compute, T_comm),
 none takes T_compute + T_comm.
+
+Per kind of collective (the comms logger's op name, e.g. tensor parallelism's forward and
+backward all-reduces), ``exposure`` reads the same quantities off the records themselves:
+T_comm is the union of the collectives' launch-to-completion spans, and the exposed part is the
+union of the spans during which the caller sat in ``wait()`` for them, the only time nothing
+else could run in its place.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 
+from zerolap.comm.logger import CommRecord
 from zerolap.profiling.intervals import Interval, covered, intersection_length
 
-__all__ = ["OverlapStats", "overlap_stats"]
+__all__ = ["Exposure", "OverlapStats", "exposure", "overlap_stats"]
 
 
 @dataclass(frozen=True)
@@ -72,3 +80,35 @@ def overlap_stats(compute: list[Interval], comm: list[Interval], *, step: Interv
         comm_s=comm_s,
         exposed_comm_s=comm_s - intersection_length(compute, comm),
     )
+
+
+@dataclass(frozen=True)
+class Exposure:
+    """One kind of collective over some steps: how many, their bytes, and how much was hidden."""
+
+    count: int
+    message_bytes: int
+    comm_s: float
+    exposed_s: float
+
+    @property
+    def eta(self) -> float:
+        return 1.0 if self.comm_s == 0 else 1 - min(self.exposed_s, self.comm_s) / self.comm_s
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "eta": self.eta}
+
+
+def exposure(records: Iterable[CommRecord], ops: Iterable[str]) -> dict[str, Exposure]:
+    """``Exposure`` of each op name in ``ops`` among ``records`` (completed ones)."""
+    records = [r for r in records if r.end is not None]
+    out = {}
+    for op in ops:
+        mine = [r for r in records if r.op == op]
+        out[op] = Exposure(
+            count=len(mine),
+            message_bytes=sum(r.message_bytes for r in mine),
+            comm_s=covered((r.start, r.end) for r in mine),
+            exposed_s=covered(r.waited for r in mine if r.waited is not None),
+        )
+    return out

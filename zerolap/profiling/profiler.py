@@ -7,13 +7,16 @@ Sources, all at boundaries that already exist:
   phase is cut out of it;
 * optional per-block forward/backward spans from module hooks (``blocks=``);
 * every collective's span from the comms logger's records (launch to completion, timed by the
-  backend's completion callback), which the profiler switches on while it is attached.
+  backend's completion callback), which the profiler switches on while it is attached; tensor
+  parallelism's all-reduces on a lane of their own, and, per kind (forward, backward), their
+  bytes, T_comm, the time the rank sat waiting for them and the hidden share eta_TP.
 
 Use it around any loop::
 
     with StepProfiler(engine, blocks=model.blocks) as prof:
         for batch in data: ...
-    prof.summary()          # mean T_compute, T_comm, exposed comm, eta, step vs ideal/serial
+    prof.summary()          # mean T_compute, T_comm, exposed comm, eta, step vs ideal/serial,
+                            # and tp_forward_* / tp_backward_* (bytes, comm_s, exposed_s, eta)
     prof.export("runs/x")   # trace.json (Perfetto) and timeline.png, all ranks
 """
 
@@ -28,8 +31,18 @@ import torch
 import zerolap.comm as dist
 from zerolap.comm.logger import COMMS_LOGGER
 from zerolap.profiling.intervals import subtract
-from zerolap.profiling.overlap import OverlapStats, overlap_stats
-from zerolap.profiling.timeline import COMM, COMPUTE, Span, write_chrome_trace, write_timeline_png
+from zerolap.profiling.overlap import Exposure, OverlapStats, exposure, overlap_stats
+from zerolap.profiling.timeline import (
+    COMM,
+    COMPUTE,
+    TP_COMM,
+    Span,
+    write_chrome_trace,
+    write_timeline_png,
+)
+from zerolap.tensor_parallel.mappings import BACKWARD, FORWARD
+
+TP_KINDS = (FORWARD, BACKWARD)
 
 __all__ = ["StepProfiler"]
 
@@ -40,6 +53,7 @@ class StepProfiler:
         self.rank = dist.get_rank()
         self.spans: list[Span] = []
         self.stats: list[OverlapStats] = []
+        self.tp: list[dict[str, Exposure]] = []  # per step: tensor-parallel all-reduces
         self.step = 0
         self._step_start: float | None = None
         self._records_seen = 0
@@ -105,18 +119,25 @@ class StepProfiler:
             self._waits.append((start, end))
 
     def _close_step(self, end: float) -> None:
-        for record in COMMS_LOGGER.records[self._records_seen :]:
+        records = COMMS_LOGGER.records[self._records_seen :]
+        for record in records:
             record.resolve()
             if record.end is not None:
-                self._add(COMM, record.op, record.start, record.end)
+                lane = TP_COMM if record.op in TP_KINDS else COMM
+                self._add(lane, record.op, record.start, record.end)
+            if record.op in TP_KINDS and record.waited is not None:
+                # The computing thread (or lane, the other one idle) blocked for it, inside a
+                # compute phase: not compute. (Other ops may be waited for off that thread.)
+                self._waits.append(record.waited)
         self._records_seen = len(COMMS_LOGGER.records)
+        self.tp.append(exposure(records, TP_KINDS))
         start = self._step_start
         mine = [s for s in self.spans if s.step == self.step]
         compute = [(s.start, s.end) for s in mine if s.lane == COMPUTE and ":" not in s.name]
         # A wait inside a compute phase (stage 3's forward blocked on a gather) computes nothing.
         compute = subtract(compute, self._waits)
         self._waits = []
-        comm = [(s.start, s.end) for s in mine if s.lane == COMM]
+        comm = [(s.start, s.end) for s in mine if s.lane in (COMM, TP_COMM)]
         self.stats.append(overlap_stats(compute, comm, step=(start, end)))
         self.step += 1
         self._step_start = None
@@ -133,6 +154,18 @@ class StepProfiler:
         comm = mean["comm_s"]
         mean["eta"] = 1.0 if comm == 0 else 1 - mean["exposed_comm_s"] / comm
         mean["steps"] = len(stats)
+        tp = self.tp[skip:] if len(self.tp) > skip else self.tp
+        for kind in TP_KINDS:
+            steps = [each[kind] for each in tp if each[kind].count]
+            if not steps:
+                continue
+            short = kind.removesuffix("_all_reduce")  # tp_forward, tp_backward
+            tp_comm = sum(e.comm_s for e in steps) / len(steps)
+            tp_exposed = sum(e.exposed_s for e in steps) / len(steps)
+            mean[f"{short}_bytes"] = sum(e.message_bytes for e in steps) / len(steps)
+            mean[f"{short}_comm_s"] = tp_comm
+            mean[f"{short}_exposed_s"] = tp_exposed
+            mean[f"{short}_eta"] = 1.0 if tp_comm == 0 else 1 - min(tp_exposed, tp_comm) / tp_comm
         return mean
 
     def gather_spans(self) -> list[Span]:

@@ -1,4 +1,5 @@
-"""Spans on two lanes per rank, and the two ways people look at them: a Chrome/Perfetto trace
+"""Spans on lanes per rank (compute, communication, and tensor parallelism's all-reduces when
+there are any), and the two ways people look at them: a Chrome/Perfetto trace
 and a PNG in the style of ``|---compute---| |--All-Reduce--|`` diagrams.
 
 Times are ``time.perf_counter()`` seconds. On one host every process reads the same monotonic
@@ -14,9 +15,12 @@ from pathlib import Path
 
 __all__ = ["Span", "write_chrome_trace", "write_timeline_png"]
 
-COMPUTE, COMM = "compute", "comm"
+COMPUTE, COMM, TP_COMM = "compute", "comm", "tp comm"
+LANES = (COMPUTE, COMM, TP_COMM)
 
 _COLOURS = {
+    "tp_forward": "#17BECF",
+    "tp_backward": "#BCBD22",
     "forward": "#4C72B0",
     "backward": "#55A868",
     "optimizer": "#8172B3",
@@ -30,7 +34,7 @@ _COLOURS = {
 @dataclass(frozen=True)
 class Span:
     rank: int
-    lane: str  # COMPUTE or COMM
+    lane: str  # one of LANES
     name: str  # "forward", "backward:blocks.3", "ring_reduce_scatter", ...
     start: float
     end: float
@@ -66,7 +70,7 @@ def write_chrome_trace(spans: Iterable[Span], path: str | Path) -> Path:
                 "args": {"name": f"rank {rank}"},
             }
         )
-        for tid, lane in enumerate((COMPUTE, COMM)):
+        for tid, lane in enumerate(LANES):
             events.append(
                 {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": lane}}
             )
@@ -77,7 +81,7 @@ def write_chrome_trace(spans: Iterable[Span], path: str | Path) -> Path:
                 "name": span.name,
                 "cat": span.kind,
                 "pid": span.rank,
-                "tid": 0 if span.lane == COMPUTE else 1,
+                "tid": LANES.index(span.lane),
                 "ts": (span.start - origin) * 1e6,
                 "dur": max(span.end - span.start, 0.0) * 1e6,
                 "args": {"step": span.step},
@@ -90,7 +94,8 @@ def write_chrome_trace(spans: Iterable[Span], path: str | Path) -> Path:
 
 
 def write_timeline_png(spans: Iterable[Span], path: str | Path, *, title: str = "") -> Path:
-    """Compute and comm lanes for every rank, time in milliseconds on the x axis."""
+    """Compute and comm lanes (and the TP lane when used) for every rank, time in milliseconds
+    on the x axis."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -100,7 +105,8 @@ def write_timeline_png(spans: Iterable[Span], path: str | Path, *, title: str = 
     spans = list(spans)
     origin = _origin(spans)
     ranks = sorted({s.rank for s in spans})
-    rows = [(r, lane) for r in ranks for lane in (COMPUTE, COMM)]
+    used = {s.lane for s in spans}
+    rows = [(r, lane) for r in ranks for lane in LANES if lane in used or lane != TP_COMM]
     fig, ax = plt.subplots(figsize=(14, 0.9 * len(rows) + 1.4))
     for y, (rank, lane) in enumerate(rows):
         lane_spans = [s for s in spans if s.rank == rank and s.lane == lane]

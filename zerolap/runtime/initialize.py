@@ -98,7 +98,7 @@ def _mesh(tp, mpu, model) -> Mesh:
             model,
             mesh.tensor_group,
             plan_from_config(tp, model),
-            overlap_backward=tp.tp_overlap_comm,
+            overlap=tp.overlap_mode,
         )
     return mesh
 

@@ -20,6 +20,7 @@ from torch import nn
 
 import zerolap.comm as dist
 from zerolap.comm import ReduceOp
+from zerolap.tensor_parallel.mappings import FORWARD, all_reduce_now
 
 __all__ = ["VocabParallelCrossEntropy", "vocab_parallel_cross_entropy"]
 
@@ -32,7 +33,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         ctx.dtype = logits.dtype
         logits = logits.float()
         top = logits.max(dim=-1).values
-        dist.all_reduce(top, op=ReduceOp.MAX, group=group)
+        all_reduce_now(top, group, name=FORWARD, op=ReduceOp.MAX)
         shifted = logits - top.unsqueeze(-1)
         valid = targets != ignore_index
         outside = (targets < start) | (targets >= start + rows) | ~valid
@@ -41,7 +42,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sums = torch.stack(
             [exp.sum(dim=-1), shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * ~outside]
         )
-        dist.all_reduce(sums, group=group)
+        all_reduce_now(sums, group, name=FORWARD)
         total, target_logit = sums
         count = valid.sum()
         losses = (total.log() - target_logit) * valid

@@ -29,11 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 import zerolap.comm as dist
+from zerolap.tensor_parallel import lanes
 from zerolap.tensor_parallel.mappings import (
+    BACKWARD,
     all_reduce_,
     gather_from_region,
     reduce_from_region,
     scatter_to_region,
+    wait,
 )
 
 __all__ = [
@@ -187,9 +190,11 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         grad_x = handle = None
         if need_x:
             grad_x = grad.matmul(weight.t() if ctx.transposed else weight)
-            handle = all_reduce_(grad_x, ctx.group, async_op=True)
-            if not ctx.overlap:
-                handle.wait()
+            handle = all_reduce_(grad_x, ctx.group, name=BACKWARD)
+            if ctx.overlap:
+                lanes.switch()  # the other half's backward computes meanwhile
+            else:
+                wait(handle)
         flat_grad = grad.reshape(-1, grad.shape[-1])
         flat_x = x.reshape(-1, x.shape[-1])
         grad_w = None
@@ -198,8 +203,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
                 flat_x.t().matmul(flat_grad) if ctx.transposed else flat_grad.t().matmul(flat_x)
             )
         grad_b = flat_grad.sum(0) if need_b and ctx.has_bias else None
-        if handle is not None:
-            handle.wait()
+        wait(handle)
         return grad_x, grad_w, grad_b, None, None, None
 
 

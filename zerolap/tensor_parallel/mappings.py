@@ -12,31 +12,83 @@ between the two, forward and backward are each other's transpose:
 | ``gather_from_region``   | all-gather, concat last dim | keep own slice              |
 | ``scatter_to_region``    | keep own slice              | all-gather, concat last dim |
 
-Every collective goes through ``zerolap.comm``, so the comms logger and the profiler see it.
-The all-reduces run in place on a fresh tensor: an autograd Function's input may be saved by
-the operation that produced it.
+Every collective goes through ``zerolap.comm``, so the comms logger and the profiler see it,
+named by the pass it serves (``FORWARD`` or ``BACKWARD``) so that each gets its own figures and
+timeline lane. Each is launched asynchronously and followed by ``lanes.switch()`` before the
+wait: inside the forward overlap's lanes the other half of the micro-batch computes meanwhile;
+outside them the switch does nothing and the wait follows at once. The all-reduces run in place
+on a fresh tensor: an autograd Function's input may be saved by the operation that produced it.
+
+``skipped_collectives()`` turns every one of them into a no-op, for one purpose only: measuring
+the step a tensor-parallel run would take if its communication were free (the results are
+wrong while it is on).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 import zerolap.comm as dist
+from zerolap.comm import ReduceOp
+from zerolap.tensor_parallel import lanes
 
 __all__ = [
+    "BACKWARD",
+    "FORWARD",
     "all_reduce_",
+    "all_reduce_now",
     "copy_to_region",
     "gather_from_region",
     "gather_last_dim",
     "reduce_from_region",
     "scatter_to_region",
+    "skipped_collectives",
     "split_last_dim",
+    "wait",
 ]
 
+# The comms logger's names for the all-reduces of each pass.
+FORWARD = "tp_forward_all_reduce"
+BACKWARD = "tp_backward_all_reduce"
 
-def all_reduce_(tensor: torch.Tensor, group, *, async_op: bool = False):
-    """Sum ``tensor`` in place over ``group`` (a handle when ``async_op``)."""
-    return dist.all_reduce(tensor, group=group, async_op=async_op)
+_skipping = False
+
+
+@contextlib.contextmanager
+def skipped_collectives() -> Iterator[None]:
+    """Tensor-parallel all-reduces do nothing inside this block: a measurement of the step
+    without them, whose results are wrong."""
+    global _skipping
+    _skipping, before = True, _skipping
+    try:
+        yield
+    finally:
+        _skipping = before
+
+
+def all_reduce_(tensor: torch.Tensor, group, *, name: str, op=ReduceOp.SUM):
+    """Start reducing ``tensor`` in place over ``group``, logged as ``name``; returns the
+    handle to ``wait`` for (None when collectives are skipped)."""
+    if _skipping:
+        return None
+    return dist.all_reduce(tensor, op=op, group=group, async_op=True, log_name=name)
+
+
+def wait(handle) -> None:
+    """Block until ``handle`` (from ``all_reduce_``) is done."""
+    if handle is not None:
+        handle.wait()
+
+
+def all_reduce_now(tensor: torch.Tensor, group, *, name: str, op=ReduceOp.SUM) -> torch.Tensor:
+    """Reduce ``tensor`` in place, letting the other lane compute while it is on the wire."""
+    handle = all_reduce_(tensor, group, name=name, op=op)
+    lanes.switch()
+    wait(handle)
+    return tensor
 
 
 def split_last_dim(tensor: torch.Tensor, group) -> torch.Tensor:
@@ -66,17 +118,13 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()
-        all_reduce_(grad, ctx.group)
-        return grad, None
+        return all_reduce_now(grad.clone(), ctx.group, name=BACKWARD), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
-        out = x.clone()
-        all_reduce_(out, group)
-        return out
+        return all_reduce_now(x.clone(), group, name=FORWARD)
 
     @staticmethod
     def backward(ctx, grad):

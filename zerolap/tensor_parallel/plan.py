@@ -32,6 +32,7 @@ from zerolap.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from zerolap.tensor_parallel.overlap import Overlap, split_blocks
 
 __all__ = [
     "STYLES",
@@ -211,10 +212,13 @@ def as_plan(plan) -> TPPlan:
     return TPPlan(tuple(plan))
 
 
-def parallelize(model: nn.Module, group, plan=None, *, overlap_backward: bool = False) -> nn.Module:
+def parallelize(
+    model: nn.Module, group, plan=None, *, overlap: Overlap | str = Overlap.OFF
+) -> nn.Module:
     """Split ``model``'s layers over the tensor group ``group`` by ``plan`` (``auto_plan`` when
-    None), in place; returns ``model``. Every rank of the group must call it on the same dense
-    model (same seed): each keeps its own slices."""
+    None), in place, with the all-reduces ``overlap`` hides; returns ``model``. Every rank of
+    the group must call it on the same dense model (same seed): each keeps its own slices."""
+    overlap = Overlap(overlap)
     count = dist.get_world_size(group)
     if count == 1:
         return model
@@ -239,9 +243,17 @@ def parallelize(model: nn.Module, group, plan=None, *, overlap_backward: bool = 
             f"{type(model).__name__}"
         )
     split: dict[int, nn.Parameter] = {}  # id(dense weight) -> its split (tied weights stay tied)
+    if overlap is Overlap.FULL and not any(r.style == "rowwise" for _, _, r in chosen):
+        raise ValueError(
+            "tensor_parallel.overlap=full: the plan splits no row-parallel layer, so there is "
+            "no forward all-reduce to hide"
+        )
+    overlap_backward = overlap is not Overlap.OFF
     for name, module, rule in chosen:
         _replace(model, name, _convert(name, module, rule, group, split, overlap_backward))
     _divide(model, plan, count, apply=True)
+    if overlap is Overlap.FULL:
+        split_blocks(model)
     return model
 
 
