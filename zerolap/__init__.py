@@ -23,7 +23,7 @@ from zerolap.accelerator import get_accelerator
 from zerolap.comm import init_distributed
 from zerolap.config import ConfigError, add_config_arguments
 from zerolap.runtime.engine import DeepSpeedEngine, ZerolapEngine
-from zerolap.runtime.initialize import initialize
+from zerolap.runtime.initialize import initialize, tp_model_init
 from zerolap.utils import RepeatingLoader, log_dist, logger
 
 __version__ = "0.2.0"
@@ -48,6 +48,7 @@ __all__ = [
     "logger",
     "ops",
     "runtime",
+    "tp_model_init",
     "utils",
     "zero",
 ]

@@ -13,7 +13,7 @@ from pathlib import Path
 __all__ = ["main"]
 
 
-BENCHMARKS = ("comm_bench", "zero_bench", "checkpoint_bench")
+BENCHMARKS = ("comm_bench", "zero_bench", "checkpoint_bench", "offload_bench", "tp_bench")
 
 
 class CliError(Exception):
@@ -63,6 +63,13 @@ def _demo(args: argparse.Namespace) -> int:
     _positive("--tp", args.tp)
     if args.world_size % args.tp:
         raise CliError(f"--tp {args.tp} does not divide --world-size {args.world_size}")
+    if args.config and (args.tp > 1 or args.tp_overlap):
+        raise CliError(
+            "--tp and --tp-overlap build the config; with --config, set its "
+            "tensor_parallel section instead"
+        )
+    # Stage 3 does not take the full overlap (a config error); it gets the backward one.
+    overlap = args.tp_overlap or ("backward" if args.stage == 3 else "full")
     options = DemoOptions(
         stage=args.stage,
         steps=args.steps,
@@ -71,7 +78,7 @@ def _demo(args: argparse.Namespace) -> int:
         out_dir=args.out,
         offload=args.offload,
         tp=args.tp,
-        tp_overlap=args.tp_overlap,
+        tp_overlap=overlap,
     )
     _launch_local(run_demo, args.world_size, options)
     return 0
@@ -232,9 +239,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--tp-overlap",
-        default="full",
         choices=["off", "backward", "full"],
-        help="tensor_parallel.overlap with --tp > 1 (default full)",
+        help="tensor_parallel.overlap with --tp > 1 (default full; backward at stage 3)",
     )
     demo.set_defaults(run=_demo)
 
@@ -254,7 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--which",
         nargs="+",
         default=["comm_bench", "zero_bench"],
-        choices=["comm_bench", "zero_bench", "checkpoint_bench", "offload_bench", "tp_bench"],
+        choices=BENCHMARKS,
     )
     bench.set_defaults(run=_bench)
 

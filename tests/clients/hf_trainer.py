@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArgu
 VOCAB = 128
 
 
-def ds_config(stage: int, *, optimizer: bool) -> dict:
+def ds_config(stage: int, *, optimizer: bool, tp: int = 1, tp_overlap: str = "off") -> dict:
     config = {
         "bf16": {"enabled": "auto"},
         "fp16": {"enabled": "auto"},
@@ -36,6 +36,8 @@ def ds_config(stage: int, *, optimizer: bool) -> dict:
         "train_micro_batch_size_per_gpu": "auto",
         "wall_clock_breakdown": False,
     }
+    if tp > 1:  # the Trainer calls deepspeed.tp_model_init, then initialize
+        config["tensor_parallel"] = {"autotp_size": tp, "overlap": tp_overlap}
     if optimizer:  # else the Trainer hands its own torch optimizer to initialize()
         config["optimizer"] = {
             "type": "AdamW",
@@ -44,11 +46,12 @@ def ds_config(stage: int, *, optimizer: bool) -> dict:
     return config
 
 
-def tiny_config(arch: str):
+def tiny_config(arch: str, dropout: float = 0.1):
     if arch == "gpt2":
         return AutoConfig.for_model(
             "gpt2", n_layer=2, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=32,
             bos_token_id=0, eos_token_id=0,
+            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout,
         )  # fmt: skip
     return AutoConfig.for_model(
         "llama", num_hidden_layers=2, hidden_size=32, intermediate_size=64,
@@ -75,6 +78,8 @@ def main() -> None:
     parser.add_argument("--arch", default="gpt2")
     parser.add_argument("--model", help="a save_pretrained folder; else from_config")
     parser.add_argument("--ds-optimizer", action="store_true")
+    parser.add_argument("--tp", type=int, default=1, help="tensor_parallel.autotp_size")
+    parser.add_argument("--tp-overlap", default="off", help="tensor_parallel.overlap")
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume")
     parser.add_argument("--init-out", help="save the initial weights here (save_pretrained)")
@@ -96,7 +101,11 @@ def main() -> None:
         use_cpu=True,  # on a CPU-only host the Trainer counts the ranks only so
         dataloader_num_workers=0,
         seed=0,
-        deepspeed=ds_config(args.stage, optimizer=args.ds_optimizer) if args.stage >= 0 else None,
+        deepspeed=ds_config(
+            args.stage, optimizer=args.ds_optimizer, tp=args.tp, tp_overlap=args.tp_overlap
+        )
+        if args.stage >= 0
+        else None,
     )
     if args.stage >= 0:
         # Real DeepSpeed's zero.Init reads the world size from deepspeed.comm, which Accelerate
@@ -127,9 +136,12 @@ def main() -> None:
     history = trainer.state.log_history
     result = {
         "losses": {h["step"]: h["loss"] for h in history if "loss" in h},
+        "grad_norms": {h["step"]: h["grad_norm"] for h in history if "grad_norm" in h},
         "evals": {h["step"]: h["eval_loss"] for h in history if "eval_loss" in h},
         "sharded_at_build": sharded_at_build,
         "engine": type(trainer.model_wrapped).__module__,
+        "tensor_parallel": getattr(trainer.model_wrapped, "mp_world_size", 1),
+        "data_parallel": getattr(trainer.model_wrapped, "dp_world_size", None),
     }
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.result, "w") as f:

@@ -34,6 +34,13 @@ def runs(tmp_path_factory):
 
     model = transformers.AutoModelForCausalLM.from_config(tiny_config("gpt2"))
     model.save_pretrained(gpt2, safe_serialization=True)
+    # Tensor parallelism draws dropout masks per slice, a dense model per whole tensor: the TP
+    # comparison runs without dropout.
+    undropped = root / "gpt2-no-dropout"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("gpt2", dropout=0.0))
+    model.save_pretrained(undropped, safe_serialization=True)
+    undropped_model = ["--model", str(undropped)]
     llama_init = root / "llama-init"  # written by the from_config run, read by its reference
 
     gpt2_model, llama_model = ["--model", str(gpt2)], ["--model", str(llama_init)]
@@ -54,7 +61,16 @@ def runs(tmp_path_factory):
         "llama stage 2 resumed": [
             *llama_model, "--stage", "2", "--ds-optimizer", "--resume", checkpoint["llama stage 3"]
         ],
+        "gpt2 no dropout plain": undropped_model,
+        "gpt2 tp 2 x dp 2": [
+            *undropped_model, "--stage", "1", "--ds-optimizer", "--tp", "2",
+            "--tp-overlap", "full",
+        ],
+        "gpt2 tp 2 x dp 2, trainer's optimizer": [
+            *undropped_model, "--stage", "2", "--tp", "2", "--tp-overlap", "backward",
+        ],
     }  # fmt: skip
+    nproc = {"gpt2 tp 2 x dp 2": 4, "gpt2 tp 2 x dp 2, trainer's optimizer": 4}
 
     needs = {  # runs that read what another run wrote
         "gpt2 stage 3 resumed": "gpt2 stage 3",
@@ -67,7 +83,14 @@ def runs(tmp_path_factory):
         if name in needs:
             run(needs[name])
         out = root / name
-        return launch("hf_trainer.py", root / f"{name}.json", *plans[name], "--out", str(out))
+        return launch(
+            "hf_trainer.py",
+            root / f"{name}.json",
+            *plans[name],
+            "--out",
+            str(out),
+            nproc=nproc.get(name, 2),
+        )
 
     return run
 
@@ -110,3 +133,17 @@ def test_from_config_under_stage_3_shards_as_it_builds_and_trains_as_plain_ddp(r
 def test_a_stage_3_checkpoint_resumes_at_stage_2(runs):
     resumed, full = runs("llama stage 2 resumed"), runs("llama stage 3")
     _close(resumed["losses"], full["losses"], (3, 4))
+
+
+@pytest.mark.parametrize("name", ["gpt2 tp 2 x dp 2", "gpt2 tp 2 x dp 2, trainer's optimizer"])
+def test_tensor_parallel_through_tp_model_init_trains_as_plain_ddp(runs, name):
+    """``tensor_parallel.autotp_size: 2`` on 4 processes: the Trainer calls
+    ``deepspeed.tp_model_init``, builds its optimizer (or the ds_config's parameter list) over
+    the dense model, then calls ``initialize``, which splits the model and points both at the
+    split parameters; Accelerate feeds each tensor group one batch. ZeRO-1 with the blocks'
+    micro-batches in two lanes (overlap full), and ZeRO-2 with the Trainer's own AdamW and the
+    backward overlap, each train as plain DDP on 2 processes does."""
+    tp, plain = runs(name), runs("gpt2 no dropout plain")
+    assert (tp["tensor_parallel"], tp["data_parallel"]) == (2, 2)
+    _close(tp["losses"], plain["losses"], range(1, 5))
+    _close(tp["evals"], plain["evals"], (2, 4))

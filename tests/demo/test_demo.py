@@ -112,6 +112,8 @@ def test_cli_bad_arguments_are_named():
         (["demo", "--world-size", "0"], "--world-size must be >= 1, got 0"),
         (["demo", "--model-size", "huge"], "--model-size must be one of tiny, small"),
         (["demo", "--config", "/nonexistent.json"], "--config /nonexistent.json: no such file"),
+        (["demo", "--tp", "3"], "--tp 3 does not divide --world-size 2"),
+        (["demo", "--config", __file__, "--tp", "2"], "with --config, set its tensor_parallel"),
         (["estimate"], "give exactly one of --params N and --model module:factory"),
         (["estimate", "--params", "1e9", "--world", "0"], "world size must be >= 1"),
         (["estimate", "--model", "nomodule"], "--model must look like module:factory"),

@@ -63,17 +63,25 @@ def test_hugging_face_models_split_by_auto_plan(ranks, arch, overlap):
     ranks(2).run(check_hf_equals_dense, arch, overlap)
 
 
-def check_hf_cache_refused() -> None:
-    model = _hf("llama")
+def check_hf_cache() -> None:
+    """Training makes an empty cache unless use_cache=False: left out, with a warning, and the
+    loss unchanged. A cache holding keys cannot be split: a named error."""
+    dense, model = _hf("llama"), _hf("llama")
     parallelize(model, None, overlap="full")
     ids = torch.randint(VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
-    with pytest.raises(ValueError, match=r"DynamicCache.*use_cache=False"):
-        model(input_ids=ids, labels=ids, use_cache=True)
+    with pytest.warns(UserWarning, match="without the empty DynamicCache"):
+        got = model(input_ids=ids, labels=ids, use_cache=True).loss
+    want = dense(input_ids=ids, labels=ids, use_cache=False).loss
+    torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :4], use_cache=True).past_key_values
+    with pytest.raises(ValueError, match=r"DynamicCache.*cannot be split.*holding keys"):
+        model(input_ids=ids[:, 4:], past_key_values=cache, use_cache=True)
 
 
-def test_full_overlap_refuses_a_kv_cache(ranks):
+def test_full_overlap_and_kv_caches(ranks):
     pytest.importorskip("transformers")
-    ranks(2).run(check_hf_cache_refused)
+    ranks(2).run(check_hf_cache)
 
 
 def split_indivisible_heads() -> tuple[str, bool]:

@@ -13,6 +13,7 @@ Two behaviours differ from plain torch on purpose:
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -101,6 +102,8 @@ def launch(
     handle = Handle(
         start(), lambda: info.describe(op), value=value, finalize=finalize, record=record
     )
+    if record is not None:
+        record.launched = time.perf_counter()
     if async_op:
         return handle
     handle.wait()

@@ -53,8 +53,21 @@ class CommRecord:
     start: float
     end: float | None = None
     cuda_events: tuple | None = None  # (start, end) events, resolved lazily
+    launched: float | None = None
+    """When the launching call returned to the caller (async ops)."""
     waited: tuple[float, float] | None = None
-    """When the caller blocked in ``wait()`` for it: the part of the op nothing hid."""
+    """When the caller blocked in ``wait()`` for it."""
+
+    @property
+    def name(self) -> str:
+        """The op's name without the caller that ``debug`` appends."""
+        return self.op.partition(" | ")[0]
+
+    def blocked(self) -> list[tuple[float, float]]:
+        """When the caller sat in this op rather than computing: in the launching call, and
+        in ``wait()``."""
+        spans = [] if self.launched is None else [(self.start, self.launched)]
+        return spans + ([] if self.waited is None else [self.waited])
 
     @property
     def closed(self) -> bool:

@@ -13,8 +13,11 @@ none takes T_compute + T_comm.
 Per kind of collective (the comms logger's op name, e.g. tensor parallelism's forward and
 backward all-reduces), ``exposure`` reads the same quantities off the records themselves:
 T_comm is the union of the collectives' launch-to-completion spans, and the exposed part is the
-union of the spans during which the caller sat in ``wait()`` for them, the only time nothing
-else could run in its place.
+union of the spans during which the caller sat in them instead of computing (the launching call
+and ``wait()``), within those spans. This is the host's view: on CUDA, where ``wait()`` only
+orders streams, it does not see the device waiting, and on a host whose cores the transfers
+share, hidden communication still slows the compute down; the step time against the same step
+without the communication is the figure that settles both.
 """
 
 from __future__ import annotations
@@ -104,11 +107,13 @@ def exposure(records: Iterable[CommRecord], ops: Iterable[str]) -> dict[str, Exp
     records = [r for r in records if r.end is not None]
     out = {}
     for op in ops:
-        mine = [r for r in records if r.op == op]
+        mine = [r for r in records if r.name == op]
+        spans = [(r.start, r.end) for r in mine]
+        blocked = [span for r in mine for span in r.blocked()]
         out[op] = Exposure(
             count=len(mine),
             message_bytes=sum(r.message_bytes for r in mine),
-            comm_s=covered((r.start, r.end) for r in mine),
-            exposed_s=covered(r.waited for r in mine if r.waited is not None),
+            comm_s=covered(spans),
+            exposed_s=intersection_length(blocked, spans),
         )
     return out

@@ -40,9 +40,7 @@ from zerolap.profiling.timeline import (
     write_chrome_trace,
     write_timeline_png,
 )
-from zerolap.tensor_parallel.mappings import BACKWARD, FORWARD
-
-TP_KINDS = (FORWARD, BACKWARD)
+from zerolap.tensor_parallel.mappings import KINDS as TP_KINDS
 
 __all__ = ["StepProfiler"]
 
@@ -122,13 +120,13 @@ class StepProfiler:
         records = COMMS_LOGGER.records[self._records_seen :]
         for record in records:
             record.resolve()
+            tp = record.name in TP_KINDS
             if record.end is not None:
-                lane = TP_COMM if record.op in TP_KINDS else COMM
-                self._add(lane, record.op, record.start, record.end)
-            if record.op in TP_KINDS and record.waited is not None:
-                # The computing thread (or lane, the other one idle) blocked for it, inside a
-                # compute phase: not compute. (Other ops may be waited for off that thread.)
-                self._waits.append(record.waited)
+                self._add(TP_COMM if tp else COMM, record.op, record.start, record.end)
+            if tp:
+                # The computing thread (or lane, the other one idle) sat in it, inside a compute
+                # phase: not compute. (Other ops may be waited for off that thread.)
+                self._waits += record.blocked()
         self._records_seen = len(COMMS_LOGGER.records)
         self.tp.append(exposure(records, TP_KINDS))
         start = self._step_start
@@ -160,12 +158,16 @@ class StepProfiler:
             if not steps:
                 continue
             short = kind.removesuffix("_all_reduce")  # tp_forward, tp_backward
-            tp_comm = sum(e.comm_s for e in steps) / len(steps)
-            tp_exposed = sum(e.exposed_s for e in steps) / len(steps)
-            mean[f"{short}_bytes"] = sum(e.message_bytes for e in steps) / len(steps)
-            mean[f"{short}_comm_s"] = tp_comm
-            mean[f"{short}_exposed_s"] = tp_exposed
-            mean[f"{short}_eta"] = 1.0 if tp_comm == 0 else 1 - min(tp_exposed, tp_comm) / tp_comm
+            per_step = Exposure(
+                count=sum(e.count for e in steps) // len(steps),
+                message_bytes=sum(e.message_bytes for e in steps) // len(steps),
+                comm_s=sum(e.comm_s for e in steps) / len(steps),
+                exposed_s=sum(e.exposed_s for e in steps) / len(steps),
+            )
+            mean[f"{short}_bytes"] = per_step.message_bytes
+            mean[f"{short}_comm_s"] = per_step.comm_s
+            mean[f"{short}_exposed_s"] = per_step.exposed_s
+            mean[f"{short}_eta"] = per_step.eta
         return mean
 
     def gather_spans(self) -> list[Span]:

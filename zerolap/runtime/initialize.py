@@ -13,7 +13,74 @@ from zerolap.tensor_parallel.plan import parallelize, plan_from_config
 from zerolap.topology import Mesh, build_mesh, mesh_from_mpu
 from zerolap.utils.logging import logger
 
-__all__ = ["initialize"]
+__all__ = ["initialize", "tp_model_init"]
+
+# What ``tp_model_init`` recorded for the next ``initialize``: (tp_size, dtype, tp_group).
+_tp_model_init: tuple[int, torch.dtype, object] | None = None
+
+
+def tp_model_init(model, tp_size: int, dtype: torch.dtype, config=None, **kwargs):
+    """DeepSpeed's AutoTP training entry point, which the Hugging Face Trainer calls before
+    ``initialize`` when the ds_config has ``tensor_parallel.autotp_size`` > 1. As in DeepSpeed
+    0.19, it only records ``tp_size``, ``dtype`` and an optional ``tp_group=``: the model is
+    split at ``initialize``, where the record fills ``tensor_parallel.autotp_size`` when the
+    ds_config lacks it and is an error when it disagrees with the ds_config. Returns ``model``
+    unchanged."""
+    global _tp_model_init
+    unknown = sorted(set(kwargs) - {"tp_group"})
+    if unknown:
+        raise TypeError(f"tp_model_init() got unexpected keyword arguments {unknown}")
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_model_init(tp_size={tp_size!r}): a positive integer is needed")
+    _tp_model_init = (tp_size, dtype, kwargs.get("tp_group"))
+    return model
+
+
+_DTYPE_KEYS = {torch.bfloat16: "bf16.enabled", torch.float16: "fp16.enabled"}
+
+
+def _merge_tp_model_init(ds_config: dict, mpu) -> dict:
+    """``ds_config`` with what ``tp_model_init`` recorded merged in (and the record consumed)."""
+    global _tp_model_init
+    if _tp_model_init is None:
+        return ds_config
+    (size, dtype, group), _tp_model_init = _tp_model_init, None
+    section = dict(ds_config.get("tensor_parallel") or {})
+    given = section.get("autotp_size")
+    if given not in (None, size):
+        raise ConfigError(
+            f"tensor_parallel.autotp_size={given} but tp_model_init(tp_size={size}); make them "
+            "agree"
+        )
+    wanted = _DTYPE_KEYS.get(dtype)
+    enabled = {key for key in _DTYPE_KEYS.values() if _enabled(ds_config, key)}
+    if enabled != ({wanted} if wanted else set()):
+        raise ConfigError(
+            f"tp_model_init(dtype={dtype}) but the ds_config enables "
+            f"{', '.join(sorted(enabled)) or 'neither bf16 nor fp16 (fp32)'}"
+        )
+    if group is not None:
+        if mpu is not None:
+            raise ConfigError("tp_model_init(tp_group=...) and initialize(mpu=...): pass one")
+        _check_tp_group(group, size)
+    return {**ds_config, "tensor_parallel": {**section, "autotp_size": size}}
+
+
+def _enabled(ds_config: dict, key: str) -> bool:
+    section, _, field = key.partition(".")
+    return (ds_config.get(section) or {}).get(field) is True
+
+
+def _check_tp_group(group, size: int) -> None:
+    """zerolap builds its own groups, with tensor ranks consecutive: a given group must be
+    this rank's group of that layout."""
+    ranks = dist.get_all_ranks_from_group(group)
+    start = dist.get_rank() // size * size
+    if ranks != list(range(start, start + size)):
+        raise ConfigError(
+            f"tp_model_init(tp_group=ranks {ranks}): zerolap's tensor groups are consecutive "
+            f"ranks; rank {dist.get_rank()} would be in ranks {list(range(start, start + size))}"
+        )
 
 
 def _config_source(args, config, config_params):
@@ -82,8 +149,9 @@ def _dataloader(training_data, cfg, collate_fn, group):
     )
 
 
-def _mesh(tp, mpu, model) -> Mesh:
-    """The job's mesh, and the model split for tensor parallelism when the ds_config asks."""
+def _mesh(tp, mpu, model) -> tuple[Mesh, dict[int, torch.nn.Parameter]]:
+    """The job's mesh, and the model split for tensor parallelism when the ds_config asks;
+    with the split parameters that replaced dense ones, by ``id`` of the dense one."""
     if mpu is None:
         mesh = build_mesh(tp.size)
     else:
@@ -93,14 +161,37 @@ def _mesh(tp, mpu, model) -> Mesh:
                 f"tensor_parallel.autotp_size={tp.autotp_size} but the mpu's model-parallel size "
                 f"is {mesh.dims.tensor}"
             )
-    if tp.size > 1:
-        parallelize(
-            model,
-            mesh.tensor_group,
-            plan_from_config(tp, model),
-            overlap=tp.overlap_mode,
-        )
-    return mesh
+    if tp.size == 1:
+        return mesh, {}
+    dense = dict(model.named_parameters(remove_duplicate=False))
+    parallelize(model, mesh.tensor_group, plan_from_config(tp, model), overlap=tp.overlap_mode)
+    split = dict(model.named_parameters(remove_duplicate=False))
+    return mesh, {id(dense[n]): p for n, p in split.items() if dense.get(n) is not p}
+
+
+def _to_split(model_parameters, optimizer, replaced: dict[int, torch.nn.Parameter]):
+    """``model_parameters`` and an optimizer instance, both made before ``initialize`` split
+    the model (the Hugging Face Trainer makes them so), pointed at the split parameters."""
+    if not replaced:
+        return model_parameters
+    if isinstance(optimizer, torch.optim.Optimizer):
+        if any(id(p) in replaced for p in optimizer.state):
+            raise ConfigError(
+                "the optimizer passed to initialize() already holds state for parameters that "
+                "tensor parallelism splits; pass it before its first step"
+            )
+        for group in optimizer.param_groups:
+            group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+    if model_parameters is None:
+        return None
+    out = []
+    for item in model_parameters:
+        if isinstance(item, dict):  # a parameter group
+            item = {**item, "params": [replaced.get(id(p), p) for p in item["params"]]}
+        else:
+            item = replaced.get(id(item), item)
+        out.append(item)
+    return out
 
 
 def initialize(
@@ -147,7 +238,11 @@ def initialize(
         dist.init_distributed(distributed_port=distributed_port, verbose=False)
     source = _config_source(args, config, config_params)
     ds_config = read_config(source)
-    mesh = _mesh(parse_config(source).tensor_parallel, mpu, model)
+    merged = _merge_tp_model_init(ds_config, mpu)
+    if merged is not ds_config:
+        source = ds_config = merged
+    mesh, replaced = _mesh(parse_config(source).tensor_parallel, mpu, model)
+    model_parameters = _to_split(model_parameters, optimizer, replaced)
     cfg = load_config(source, world_size=mesh.dims.data)
     dist.configure(cfg.comms_logger)
     engine = ZerolapEngine(

@@ -1,16 +1,19 @@
-"""How the forward overlap takes turns: two *lanes*, one per half of a micro-batch, each on its
-own thread, exactly one of them running at any moment.
+"""How the full overlap takes turns: two *lanes*, one per half of a micro-batch, each on its
+own thread, exactly one of them running at any moment (in a block's forward and in its
+backward).
 
 A lane runs until it has launched a tensor-parallel collective, then calls ``switch()``: the
 other lane computes while the collective is on the wire, and hands the turn back when it
 launches its own. The collectives are therefore issued in one fixed order (lane 0's first, then
 lane 1's, alternating), the same on every rank of the tensor group, which is what keeps the
-ranks' collectives matched; and since only one lane runs at a time, the two never compete for
-the cores that the collective's own thread needs. A lane that finishes gives the turn away for
-good. Outside lanes, ``switch()`` does nothing, so the same layer code runs either way.
+ranks' collectives matched; and only one lane computes at a time, so the two halves never
+compete with each other for a core (the collective's own thread still does, on a host without
+spare cores). A lane that finishes gives the turn away for good; a lane that fails poisons the
+turn, so that the other stops at its next switch instead of issuing collectives no peer will
+match. Outside lanes, ``switch()`` does nothing, so the same layer code runs either way.
 
-Thread-local state (grad mode, autocast, the CUDA device and stream) follows the caller into
-the lanes.
+Grad mode, autocast and the CUDA device and stream follow the caller into the lanes; saved-tensor
+hooks do not (``overlap`` refuses to split under them).
 """
 
 from __future__ import annotations
@@ -29,9 +32,15 @@ __all__ = ["in_lanes", "run_two", "switch"]
 T = TypeVar("T")
 
 _local = threading.local()
-# Two threads serve every call; a call made from inside a lane would need a third (the callers
-# run it unsplit instead, see ``in_lanes``).
+# Two threads serve every call, one call at a time: a call made from inside a lane would need a
+# third (the callers run it unsplit instead, see ``in_lanes``), and two callers at once (two
+# models trained from two threads) take turns at the lock.
 _POOL = ThreadPoolExecutor(max_workers=2, thread_name_prefix="zerolap-tp-lane")
+_ONE_CALL = threading.Lock()
+
+
+class _Stopped(RuntimeError):
+    """The other lane failed; this one stopped at its next switch."""
 
 
 class _Baton:
@@ -41,6 +50,7 @@ class _Baton:
         self._cond = threading.Condition()
         self._turn = 0
         self._finished = [False, False]
+        self._failed: int | None = None
 
     def take(self, lane: int) -> None:
         with self._cond:
@@ -48,15 +58,23 @@ class _Baton:
 
     def switch(self, lane: int) -> None:
         with self._cond:
+            self._check(lane)
             if self._finished[1 - lane]:
                 return
             self._turn = 1 - lane
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._turn == lane)
+            self._check(lane)
 
-    def finish(self, lane: int) -> None:
+    def _check(self, lane: int) -> None:
+        if self._failed is not None and self._failed != lane:
+            raise _Stopped(f"tensor parallelism: lane {self._failed} failed; lane {lane} stops")
+
+    def finish(self, lane: int, failed: bool) -> None:
         with self._cond:
             self._finished[lane] = True
+            if failed and self._failed is None:
+                self._failed = lane
             self._turn = 1 - lane
             self._cond.notify_all()
 
@@ -111,14 +129,22 @@ def run_two(work: Callable[[int], T]) -> tuple[T, T]:
 
     def lane(index: int) -> T:
         _local.lane = (baton, index)
+        failed = True
         try:
             baton.take(index)
             with modes():
-                return work(index)
+                result = work(index)
+            failed = False
+            return result
         finally:
             _local.lane = None
-            baton.finish(index)
+            baton.finish(index, failed)
 
-    futures = [_POOL.submit(lane, index) for index in (0, 1)]
-    wait_all(futures)
+    with _ONE_CALL:
+        futures = [_POOL.submit(lane, index) for index in (0, 1)]
+        wait_all(futures)
+    for future in futures:  # the lane that failed first, not the one it stopped
+        error = future.exception()
+        if error is not None and not isinstance(error, _Stopped):
+            raise error
     return futures[0].result(), futures[1].result()

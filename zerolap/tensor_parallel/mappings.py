@@ -38,6 +38,7 @@ from zerolap.tensor_parallel import lanes
 __all__ = [
     "BACKWARD",
     "FORWARD",
+    "KINDS",
     "all_reduce_",
     "all_reduce_now",
     "copy_to_region",
@@ -53,6 +54,7 @@ __all__ = [
 # The comms logger's names for the all-reduces of each pass.
 FORWARD = "tp_forward_all_reduce"
 BACKWARD = "tp_backward_all_reduce"
+KINDS = (FORWARD, BACKWARD)
 
 _skipping = False
 
