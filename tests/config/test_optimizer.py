@@ -90,3 +90,15 @@ def test_torch_optimizer_builds():
     cls, kwargs = optimizer("sgd", lr=0.1, momentum=0.9).torch_optimizer()
     built = cls([torch.nn.Parameter(torch.zeros(2))], **kwargs)
     assert isinstance(built, torch.optim.SGD) and built.defaults["momentum"] == 0.9
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({"lr": "fast"}, "optimizer.params.lr: must be a number, got 'fast'"),
+        ({"betas": [0.9]}, "optimizer.params.betas: must be two numbers, got [0.9]"),
+        ({"weight_decay": True}, "optimizer.params.weight_decay: must be a number, got True"),
+    ],
+)
+def test_bad_argument_values_are_named_before_torch_sees_them(params, message):
+    assert message in load_error({"optimizer": {"type": "AdamW", "params": params}})

@@ -76,3 +76,8 @@ def test_communication_data_type_spellings(spelling, name, dtype):
 def test_unknown_communication_data_type_names_the_choices():
     message = load_error({"communication_data_type": "fp8"})
     assert "communication_data_type: got 'fp8'; must be one of fp32, fp16, bf16" in message
+
+
+def test_an_initial_scale_power_no_float_holds_is_named():
+    message = load_error({"fp16": {"enabled": True, "initial_scale_power": 2000}})
+    assert "fp16.initial_scale_power: got 2000" in message

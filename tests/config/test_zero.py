@@ -137,3 +137,9 @@ def test_legacy_boolean_zero_optimization_means_stage_1():
     assert config.zero_optimization.stage == 1
     assert config.zero_optimization.allgather_bucket_size == 1000
     assert load({"zero_optimization": False}).zero_optimization.stage == 0
+
+
+def test_a_boolean_stage_is_an_error_not_stage_1():
+    message = load_error({"zero_optimization": {"stage": True}})
+    assert "zero_optimization.stage" in message and "got True" in message
+    assert load({"zero_optimization": True}).zero_optimization.stage == 1  # DeepSpeed's old form

@@ -113,12 +113,28 @@ class OptimizerConfig(ConfigSection):
         return problems
 
 
+# Arguments whose values torch checks with a bare comparison or index: checked here first, so
+# that a bad value is named by its key.
+_NUMBERS = ("lr", "eps", "weight_decay", "momentum", "dampening", "alpha", "lr_decay")
+_PAIRS = ("betas",)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _param_problem(key: str, value: Any, arguments: list[str] | None, class_name: str) -> str:
     """What is wrong with one optimizer argument, or "" when nothing is."""
     if isinstance(value, str) and value == "auto":
         return AUTO_HINT
     if key == "max_grad_norm":
         return "DeepSpeed ignores this optimizer argument; use the top-level gradient_clipping"
+    if key in _NUMBERS and not _number(value):
+        return f"must be a number, got {show(value)}"
+    if key in _PAIRS and not (
+        isinstance(value, list | tuple) and len(value) == 2 and all(map(_number, value))
+    ):
+        return f"must be two numbers, got {show(value)}"
     if arguments is None or key in arguments:
         return ""
     suggestion = nearest_key(key, arguments)

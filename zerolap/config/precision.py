@@ -62,8 +62,9 @@ class FP16Config(ConfigSection):
     """DeepSpeed casts floating-point inputs to fp16; zerolap leaves the inputs alone."""
     loss_scale: float = Field(0.0, ge=0, allow_inf_nan=False)
     """A static loss scale; 0 selects dynamic loss scaling."""
-    initial_scale_power: int = Field(16, ge=0)
-    """Dynamic loss scaling starts at ``2**initial_scale_power``."""
+    initial_scale_power: int = Field(16, ge=0, le=127)
+    """Dynamic loss scaling starts at ``2**initial_scale_power`` (at most 2**127, the largest
+    power of two a float32 holds)."""
     loss_scale_window: int = Field(1000, ge=1)
     """Steps without overflow before the dynamic loss scale is doubled."""
     hysteresis: int = Field(2, ge=1)
@@ -90,7 +91,9 @@ class BF16Config(ConfigSection):
         True, validation_alias=AliasChoices("check_grad_overflow", "check_overflow")
     )
     """Skip the optimizer step when a gradient is inf or nan on any rank, as fp16 does (on by
-    default, as in DeepSpeed 0.19.8; costs one one-element all-reduce per step)."""
+    default, as in DeepSpeed 0.19.8; ``nonfinite_gradients`` says what else happens). The
+    global gradient norm tells, so it is free unless ``compute_grad_norm`` is off (then one
+    one-element all-reduce per step)."""
     immediate_grad_update: Annotated[bool, DeepSpeedOnly()] = False
     """DeepSpeed's bf16 optimizer folds each gradient into the fp32 one as soon as it is ready."""
     bf16_master_weights_and_grads: Annotated[

@@ -23,6 +23,7 @@ from zerolap.config.batch import resolve_batch_size
 from zerolap.config.comms_logger import CommsLoggerConfig
 from zerolap.config.deepspeed_keys import DeepSpeedKeys
 from zerolap.config.errors import ConfigError, Problem, format_validation_error
+from zerolap.config.nonfinite import NonFiniteConfig
 from zerolap.config.optimizer import OptimizerConfig
 from zerolap.config.precision import BF16Config, DTypeName, FP16Config, torch_dtype
 from zerolap.config.scheduler import SchedulerConfig
@@ -88,6 +89,8 @@ class ZerolapConfig(DeepSpeedKeys):
     """The throughput timer (``engine.tput_timer``)."""
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """Tensor parallelism (DeepSpeed's AutoTP training)."""
+    nonfinite_gradients: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
+    """What a step with inf or nan gradients does (outside fp16's dynamic loss scaling)."""
 
     @property
     def print_interval(self) -> int | None:

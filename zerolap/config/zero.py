@@ -161,6 +161,14 @@ class ZeroConfig(ConfigSection):
     )
     """DeepSpeed shards huge parameters through chunks of this many elements."""
 
+    @field_validator("stage", mode="before")
+    @classmethod
+    def _not_a_bool(cls, stage: Any) -> Any:
+        # A bool is an int to Python; "stage: true" is a typo for a number, not stage 1.
+        if isinstance(stage, bool):
+            raise ValueError("the ZeRO stage is a number, 0, 1, 2 or 3")
+        return stage
+
     @field_validator("stage")
     @classmethod
     def _known_stage(cls, stage: int) -> int:

@@ -8,11 +8,13 @@ from zerolap.runtime.lr_schedules import (
     WarmupLR,
     build_scheduler,
 )
+from zerolap.runtime.nonfinite import NonFiniteGradientError
 from zerolap.runtime.optimizers import build_optimizer
 
 __all__ = [
     "DynamicLossScaler",
     "LossScaler",
+    "NonFiniteGradientError",
     "Scheduler",
     "WarmupCosineLR",
     "WarmupDecayLR",

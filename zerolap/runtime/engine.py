@@ -31,6 +31,7 @@ from zerolap.offload import plan_offload
 from zerolap.runtime.inputs import check_same_inputs
 from zerolap.runtime.loss_scaler import build_loss_scaler
 from zerolap.runtime.memory import MemoryBreakdown, measure_memory
+from zerolap.runtime.nonfinite import NonFiniteGuard
 from zerolap.runtime.throughput import ThroughputTimer
 from zerolap.runtime.timers import WallClockBreakdown
 from zerolap.topology import Mesh, build_mesh
@@ -176,6 +177,7 @@ class ZerolapEngine(torch.nn.Module):
             self._build_reducer()
         self.fetcher = self._build_fetcher() if self.plan.shard_params else None
         self.loss_scaler = build_loss_scaler(config.fp16)
+        self.nonfinite = NonFiniteGuard(config.nonfinite_gradients)
         self._param_access = None
         if trains:
             self.optimizer = self._build_optimizer(make_optimizer(self.params))
@@ -402,8 +404,7 @@ class ZerolapEngine(torch.nn.Module):
             clip=self._config.gradient_clipping,
             loss_scaler=self.loss_scaler,
             compute_norm=self._config.zero_optimization.compute_grad_norm,
-            check_overflow=self._config.precision == "bf16"
-            and self._config.bf16.check_grad_overflow,
+            check_finite=self._config.precision != "bf16" or self._config.bf16.check_grad_overflow,
             sub_group_size=self._config.zero_optimization.sub_group_size,
             swap=self.offload.optimizer,
             tensor_group=self.mesh.tensor_group,
@@ -496,7 +497,7 @@ class ZerolapEngine(torch.nn.Module):
     def _close_backward(self, start: float) -> None:
         """What follows every backward's autograd: the one wait for the reductions."""
         autograd_end = time.perf_counter()
-        self.reducer.finish_backward()
+        unused = self.reducer.finish_backward()
         if self.fetcher is not None:
             self.fetcher.finish_backward()
         self._record("backward", start, autograd_end)
@@ -504,6 +505,26 @@ class ZerolapEngine(torch.nn.Module):
         self._expose_grads()
         self._backward_kind = None
         self._loss_scaled = False
+        if not self._config.zero_optimization.ignore_unused_parameters:
+            self._refuse_unused(unused)
+
+    def _refuse_unused(self, unused: list[torch.nn.Parameter]) -> None:
+        """``ignore_unused_parameters: false``: a parameter that got no gradient in a reducing
+        backward is an error, on every rank alike (the count is agreed first, so that no rank
+        goes on to the next collective alone)."""
+        count = torch.tensor([float(len(unused))])
+        dist.all_reduce(count, op="max")
+        if count.item() == 0:
+            return
+        missing = {id(p) for p in unused}
+        mine = [n for n, p in self.module.named_parameters() if id(p) in missing]
+        where = f"on rank {self.global_rank}: {', '.join(mine[:5])}" if mine else "on other ranks"
+        more = f" and {len(mine) - 5} more" if len(mine) > 5 else ""
+        raise RuntimeError(
+            f"parameters that require grad got no gradient in this backward ({where}{more}) and "
+            "zero_optimization.ignore_unused_parameters is false; set it true to allow them, "
+            "or set requires_grad=False on them"
+        )
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch ends an accumulation cycle: its backward reduces and
@@ -530,6 +551,7 @@ class ZerolapEngine(torch.nn.Module):
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         start = time.perf_counter()
         try:
+            self.nonfinite.observe_loss(loss)
             scaled = loss.float() * (self.loss_scaler.loss_scale / gas)
             scaled.backward(retain_graph=retain_graph)
         except BaseException:
@@ -554,6 +576,13 @@ class ZerolapEngine(torch.nn.Module):
         the boundary only); the optimizer runs at the accumulation boundary."""
         self._require_optimizer("step")
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary and self._cycle_fresh:
+            # No gradient since the last step: AdamW would still move every parameter (its
+            # moments and weight decay), and the schedule would count a step that learnt nothing.
+            raise RuntimeError(
+                f"step() at step {self.global_steps} with no backward() since the last step "
+                "(or zero_grad()): call engine.backward(loss) first"
+            )
         if boundary:
             for param in self.params:
                 param.grad = None
@@ -569,8 +598,13 @@ class ZerolapEngine(torch.nn.Module):
             self._record("step_end", end, end)
             if not applied:
                 self.skipped_steps += 1
-            elif self.lr_scheduler is not None:
-                self.lr_scheduler.step(**(lr_kwargs or {}))
+                if not self.loss_scaler.dynamic:
+                    shard_finite = self.optimizer.shard_finite()
+                    self.nonfinite.skipped(self.global_steps, shard_finite, self.skipped_steps)
+            else:
+                self.nonfinite.applied()
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
             self._cycle_fresh = True

@@ -112,7 +112,7 @@ class ZeroOptimizer:
         clip: float,
         loss_scaler,
         compute_norm: bool = True,
-        check_overflow: bool = False,
+        check_finite: bool = True,
         sub_group_size: int = 1_000_000_000,
         swap=None,
         tensor_group=None,
@@ -125,9 +125,9 @@ class ZeroOptimizer:
         self.group = group
         self.clip = clip
         self.compute_norm = compute_norm  # false: no norm, so no clipping (checked at load)
-        # bf16's check_grad_overflow: a non-finite gradient on any rank skips the step, as
-        # dynamic fp16 scaling does (without changing a scale).
-        self.check_overflow = check_overflow
+        # A non-finite gradient on any rank skips the step (without changing a scale; dynamic
+        # fp16 scaling has its own check). Off only for bf16 with check_grad_overflow false.
+        self.check_finite = check_finite
         self.loss_scaler = loss_scaler
         # Tensor parallelism: the ranks holding the other pieces of this rank's split
         # parameters (None without it); overflow and norm agree over them as well.
@@ -265,15 +265,20 @@ class ZeroOptimizer:
         """Phases 1-5 (compute only): the owned elements take their step."""
         grads = self._owned_grads()
         scale = self.loss_scaler.loss_scale
-        if self.loss_scaler.dynamic or self.check_overflow:
-            finite = torch.stack([torch.isfinite(g).all() for g in grads] or [self._true]).all()
-            if self._agree((~finite).double().reshape(1), "max") > 0:
-                self.loss_scaler.update_scale(True)
-                self.last_norm, self.last_applied = math.inf, False
-                self.overflow = True
-                return False
+        if self.loss_scaler.dynamic and not self._all_finite(grads):
+            self.loss_scaler.update_scale(True)
+            self.last_norm, self.last_applied = math.inf, False
+            self.overflow = True
+            return False
         self.overflow = False
         norm = self._global_norm(grads, scale) if self.compute_norm else None
+        if self.check_finite and not self.loss_scaler.dynamic:
+            # The norm, agreed over the ranks, is inf or nan exactly when some gradient is.
+            finite = math.isfinite(norm) if norm is not None else self._all_finite(grads)
+            if not finite:
+                self.last_norm, self.last_applied = norm, False
+                self.overflow = True
+                return False
         divisor = scale
         if self.clip > 0 and norm is not None and norm + 1e-6 > self.clip:
             divisor *= (norm + 1e-6) / self.clip
@@ -284,6 +289,15 @@ class ZeroOptimizer:
         self.loss_scaler.update_scale(False)
         self.last_norm, self.last_applied = norm, True
         return True
+
+    def _all_finite(self, grads: list[torch.Tensor]) -> bool:
+        """Whether every rank's gradients are finite (one one-element all-reduce)."""
+        finite = torch.stack([torch.isfinite(g).all() for g in grads] or [self._true]).all()
+        return self._agree((~finite).double().reshape(1), "max") == 0
+
+    def shard_finite(self) -> bool:
+        """Whether this rank's own gradients are finite (no collective)."""
+        return all(bool(torch.isfinite(g).all()) for g in self._owned_grads())
 
     def _step_runs(self, indices: list[int], grads: list[torch.Tensor]) -> None:
         """One call of the inner optimizer on runs ``indices`` (those with a gradient: the

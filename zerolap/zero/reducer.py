@@ -124,13 +124,17 @@ class GradReducer:
         bucket.handle = bucket.finalize = None
         bucket.move(BucketState.REDUCED)
 
-    def finish_backward(self) -> None:
+    def finish_backward(self) -> list[torch.nn.Parameter]:
+        """Wait for every reduction of this backward; returns the parameters that got no
+        gradient in it (they contributed zeros), when it reduced."""
         if not self.reducing:
-            return
+            return []
         compute_end = time.perf_counter()
         first_round = self._next_launch
+        unused = []
         for bucket in self.buckets[first_round:]:
             if bucket.state != BucketState.READY:
+                unused += [self.params[slot] for slot in sorted(bucket.pending)]
                 bucket.pending.clear()  # parameters without a gradient contribute zeros
                 bucket.move(BucketState.READY, "(flushed at the end of backward)")
         self._launch_ready()
@@ -145,6 +149,7 @@ class GradReducer:
         for bucket in late:
             self._finish(bucket)
         self.last_timing = BackwardTiming(compute_end, time.perf_counter() - compute_end)
+        return unused
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:

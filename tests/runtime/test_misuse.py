@@ -1,0 +1,80 @@
+"""Misuse named instead of trained through. With ``zero_optimization.ignore_unused_parameters:
+false`` (DeepSpeed's meaning: an unused parameter is an error), a module that takes no part in
+the forward fails the backward on every rank, naming its parameters, at every stage; by default
+(true) the run trains on. And
+``step()`` with no ``backward()`` since the last step is an error that leaves the parameters
+alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerolap
+import zerolap.comm as dist
+from tests.zero.models import global_batch, loss_fn, make_model
+
+MICRO = 2
+
+
+def backward_with_an_unused_module(stage: int, ignore: bool) -> str:
+    model = make_model()
+    model.spare = torch.nn.Linear(3, 3)  # never called in forward
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "zero_optimization": {
+            "stage": stage,
+            "ignore_unused_parameters": ignore,
+            "stage3_param_persistence_threshold": 0,
+        },
+    }
+    engine, *_ = zerolap.initialize(model=model, config=config)
+    rank = dist.get_rank()
+    tokens, targets = global_batch(0, MICRO * dist.get_world_size())
+    mine = slice(rank * MICRO, (rank + 1) * MICRO)
+    try:
+        engine.backward(loss_fn(engine(tokens[mine]), targets[mine]))
+        engine.step()
+    except RuntimeError as err:
+        return str(err)
+    finally:
+        engine.destroy()
+    return "trained"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_unused_parameters_are_an_error_when_asked(ranks, stage):
+    for rank, message in enumerate(ranks(2).run(backward_with_an_unused_module, stage, False)):
+        assert message.startswith(
+            f"parameters that require grad got no gradient in this backward (on rank {rank}: "
+            "spare.weight, spare.bias) and zero_optimization.ignore_unused_parameters is false"
+        ), message
+    assert ranks(2).run(backward_with_an_unused_module, stage, True) == ["trained"] * 2
+
+
+def step_without_backward() -> str:
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+    }
+    engine, *_ = zerolap.initialize(model=make_model(), config=config)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    try:
+        engine.step()
+    except RuntimeError as err:
+        after = list(engine.module.parameters())
+        assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+        assert engine.global_steps == 0
+        return str(err)
+    finally:
+        engine.destroy()
+    return "stepped"
+
+
+def test_step_before_backward_is_an_error(ranks):
+    for message in ranks(2).run(step_without_backward):
+        assert message == (
+            "step() at step 0 with no backward() since the last step (or zero_grad()): call "
+            "engine.backward(loss) first"
+        )
