@@ -6,6 +6,7 @@ import torch
 
 import zerolap.comm as dist
 from zerolap.config import ConfigError, load_config, parse_config, read_config
+from zerolap.runtime.agreement import check_ranks_agree
 from zerolap.runtime.engine import ZerolapEngine
 from zerolap.runtime.lr_schedules import build_scheduler
 from zerolap.runtime.optimizers import build_optimizer
@@ -241,7 +242,9 @@ def initialize(
     merged = _merge_tp_model_init(ds_config, mpu)
     if merged is not ds_config:
         source = ds_config = merged
-    mesh, replaced = _mesh(parse_config(source).tensor_parallel, mpu, model)
+    parsed = parse_config(source)
+    check_ranks_agree(parsed, model)  # before any collective whose shape the job decides
+    mesh, replaced = _mesh(parsed.tensor_parallel, mpu, model)
     model_parameters = _to_split(model_parameters, optimizer, replaced)
     cfg = load_config(source, world_size=mesh.dims.data)
     dist.configure(cfg.comms_logger)

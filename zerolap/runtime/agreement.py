@@ -1,0 +1,118 @@
+"""Before anything else communicates, one collective checks that every rank was given the same
+job: the same ds_config (what changes results: stage, precision, batch sizes, clipping, the
+optimizer...) and the same model (parameter names, shapes, dtypes, which ones train).
+
+Ranks that disagree would otherwise train on with diverging parameters, or hang in the first
+collective whose sizes differ, or abort in gloo's C++ with no Python traceback. Each rank sends
+two 64-bit digests (config, model); only when they differ are the descriptions themselves
+gathered, to name the first difference, the key or parameter, and the ranks.
+
+What may differ per rank is left out: where each rank logs and profiles, and its local paths
+(``nvme_path``: hosts mount their disks where they like).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+import zerolap.comm as dist
+from zerolap.config import ConfigError, ZerolapConfig
+
+__all__ = ["check_ranks_agree"]
+
+# Top-level sections about one rank's own reporting, free to differ.
+_RANK_LOCAL_SECTIONS = frozenset(
+    {
+        "comms_logger", "comet", "csv_monitor", "dump_state", "flops_profiler", "log_level",
+        "memory_breakdown", "steps_per_print", "tensorboard", "timers", "wall_clock_breakdown",
+        "wandb",
+    }
+)  # fmt: skip
+_RANK_LOCAL_KEYS = frozenset({"nvme_path"})
+
+
+def _shared(value: Any) -> Any:
+    """``value`` without its rank-local keys, at any depth."""
+    if isinstance(value, dict):
+        return {k: _shared(v) for k, v in value.items() if k not in _RANK_LOCAL_KEYS}
+    if isinstance(value, list):
+        return [_shared(v) for v in value]
+    return value
+
+
+def describe(config: ZerolapConfig, model: torch.nn.Module) -> dict[str, dict[str, Any]]:
+    """What must be equal on every rank: the config's sections and the model's parameters."""
+    sections = config.model_dump(mode="json")
+    return {
+        "config": {k: _shared(v) for k, v in sections.items() if k not in _RANK_LOCAL_SECTIONS},
+        "model": {
+            name: [list(getattr(p, "ds_shape", p.shape)), str(p.dtype), p.requires_grad]
+            for name, p in model.named_parameters()
+        },
+    }
+
+
+def _digest(value: Any) -> int:
+    text = json.dumps(value, sort_keys=True, default=str).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
+
+
+def check_ranks_agree(config: ZerolapConfig, model: torch.nn.Module) -> None:
+    """A ``ConfigError`` on every rank, naming the first difference and the ranks, unless all
+    ranks have the same config and model. A collective over all ranks."""
+    if dist.get_world_size() == 1:
+        return
+    mine = describe(config, model)
+    digests = torch.tensor([_digest(mine["config"]), _digest(mine["model"])], dtype=torch.int64)
+    gathered = dist.all_gather(digests)
+    if all(torch.equal(g, gathered[0]) for g in gathered):
+        return
+    everyone: list = [None] * dist.get_world_size()
+    torch.distributed.all_gather_object(everyone, mine)
+    raise ConfigError(_first_difference(everyone))
+
+
+def _first_difference(everyone: list[dict[str, dict[str, Any]]]) -> str:
+    reference = everyone[0]
+    for part, what in (("config", "the ds_config"), ("model", "the model")):
+        odd = [r for r, d in enumerate(everyone) if d[part] != reference[part]]
+        if not odd:
+            continue
+        where, ours, theirs = _where(reference[part], everyone[odd[0]][part], part)
+        return (
+            f"the ranks were not given the same job: {what} differs at {where}: rank 0 has "
+            f"{ours}, rank {odd[0]} has {theirs} (ranks differing from rank 0: {odd})"
+        )
+    raise AssertionError("digests differed but the descriptions do not")
+
+
+def _where(ours: Any, theirs: Any, part: str, path: str = "") -> tuple[str, str, str]:
+    """The first key (dotted) at which ``ours`` and ``theirs`` differ, and both values."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        for key in [*ours, *(k for k in theirs if k not in ours)]:
+            a, b = ours.get(key, _MISSING), theirs.get(key, _MISSING)
+            if a == b:
+                continue
+            if part == "model":
+                return f"parameter {key}", _show_parameter(a), _show_parameter(b)
+            return _where(a, b, part, f"{path}.{key}" if path else key)
+    return path, _show(ours), _show(theirs)
+
+
+_MISSING = "<absent>"
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _show_parameter(value: Any) -> str:
+    if value == _MISSING:
+        return "no such parameter"
+    shape, dtype, trains = value
+    frozen = "" if trains else " (frozen)"
+    return f"shape {tuple(shape)} {dtype.removeprefix('torch.')}{frozen}"
