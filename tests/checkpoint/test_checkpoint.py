@@ -415,3 +415,46 @@ def test_cli_consolidate(ranks, tmp_path):
         [*cli, str(tmp_path), str(out)], capture_output=True, text=True, timeout=120
     )
     assert bad.returncode == 2 and "not a checkpoint directory: no 'latest' file" in bad.stderr
+
+
+def resave_killed_between_renames(path: str) -> list:
+    """Save tag "t" (weights A), train on, re-save "t" (weights B) but die between publication's
+    two renames (the old folder moved aside, the new one not yet in): loading "t" must give A,
+    the last complete save, with a warning."""
+    engine = _engine(2, dropout=False)
+    _train(engine, 0, 2)
+    saved = _params(engine)
+    engine.save_checkpoint(path, tag="t")
+    _train(engine, 2, 2)
+    real_replace = os.replace
+
+    def dies_at_the_second_rename(src, dst):
+        if str(src).endswith("t.partial"):
+            raise KeyboardInterrupt("killed")  # the process dies here
+        real_replace(src, dst)
+
+    died = False
+    if dist.get_rank() == 0:
+        os.replace = dies_at_the_second_rename
+    try:
+        engine.save_checkpoint(path, tag="t")
+    except KeyboardInterrupt:
+        died = True
+        dist.barrier()  # the one after publication, which the dead save did not reach
+    finally:
+        os.replace = real_replace
+    engine.destroy()
+    assert not (Path(path) / "t").exists()  # the state the kill left: "t" moved aside only
+    fresh = _engine(2, dropout=False)
+    with captured_logs() as logs:
+        fresh.load_checkpoint(path)  # through "latest", which still names "t"
+    loaded = _params(fresh)
+    fresh.destroy()
+    same = all(torch.equal(a, b) for a, b in zip(loaded, saved, strict=True))
+    return [died, same, [m for m in logs if "interrupted" in m]]
+
+
+def test_a_resave_killed_mid_publication_loads_the_previous_save(ranks, tmp_path):
+    results = ranks(2).run(resave_killed_between_renames, str(tmp_path), timeout=120)
+    assert results[0][:2] == [True, True] and results[1][1] is True
+    assert "re-save was interrupted before publication" in results[0][2][0]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from zerolap.checkpoint.files import CheckpointError, read_checkpoint, read_latest
+from zerolap.checkpoint.files import read_checkpoint, read_latest, tag_folder
 from zerolap.checkpoint.shards import SavedParams, SegmentIndex
 
 __all__ = ["get_fp32_state_dict"]
@@ -26,9 +26,7 @@ def get_fp32_state_dict(
     (without the frozen parameters when ``exclude_frozen_parameters``)."""
     checkpoint_dir = Path(checkpoint_dir)
     tag = tag if tag is not None else read_latest(checkpoint_dir)
-    folder = checkpoint_dir / tag
-    if not folder.is_dir():
-        raise CheckpointError(f"tag {tag!r} not found in {checkpoint_dir}")
+    folder = tag_folder(checkpoint_dir, tag)
     saved, shards = read_checkpoint(folder)
     params = SavedParams(saved, SegmentIndex(shards))
     built: dict[str, torch.Tensor] = {}

@@ -38,6 +38,7 @@ from zerolap.checkpoint.files import (
     partial_dir,
     publish,
     read_checkpoint,
+    tag_folder,
     write,
 )
 from zerolap.checkpoint.module_state import full_state_dict
@@ -394,9 +395,7 @@ def load_checkpoint(
         if tag is None:
             logger.warning(f"nothing loaded: {no_latest(load_dir)}")
             return None, None
-    folder = load_dir / str(tag)
-    if not folder.is_dir():
-        raise CheckpointError(f"rank {dist.get_rank()}: tag {tag!r} not found in {load_dir}")
+    folder = tag_folder(load_dir, str(tag), who=f"rank {dist.get_rank()}: ")
     saved, shards = read_checkpoint(folder, _client_groups(engine))
     _check_same_model(engine, saved, folder, load_module_strict)
     index = SegmentIndex(shards)

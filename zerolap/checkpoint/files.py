@@ -13,11 +13,15 @@ killed at any moment leaves the previous checkpoint and ``latest`` as they were.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
 
 import torch
+
+# zerolap's logger by name: zerolap.utils imports this package (zero_to_fp32), not the reverse.
+logger = logging.getLogger("zerolap")
 
 __all__ = [
     "MODEL_FILE",
@@ -29,6 +33,7 @@ __all__ = [
     "read",
     "read_checkpoint",
     "read_latest",
+    "tag_folder",
     "write",
 ]
 
@@ -64,16 +69,35 @@ def _write_text(path: Path, text: str) -> None:
 def publish(save_dir: Path, tag: str, *, save_latest: bool) -> None:
     """Rank 0, after every rank wrote its files: ``<tag>.partial`` becomes ``<tag>``."""
     final, staged = save_dir / tag, partial_dir(save_dir, tag)
+    old = save_dir / f"{tag}.old"
     if final.exists():
-        old = save_dir / f"{tag}.old"
+        # At every instant one complete save of the tag is on disk: the old one is moved
+        # aside, not deleted, until the new one is in (``tag_folder`` finds it in between).
         shutil.rmtree(old, ignore_errors=True)
         os.replace(final, old)
         os.replace(staged, final)
-        shutil.rmtree(old)
     else:
         os.replace(staged, final)
+    shutil.rmtree(old, ignore_errors=True)  # also what an interrupted re-save left aside
     if save_latest:
         _write_text(save_dir / LATEST, tag)
+
+
+def tag_folder(load_dir: Path, tag: str, *, who: str = "") -> Path:
+    """The folder holding checkpoint ``tag``. A re-save of a tag moves the old folder aside
+    (``<tag>.old``) and then moves the new one in: killed between the two, the tag's folder is
+    missing and the aside one is the last complete save, which is what loads (with a warning)."""
+    folder = load_dir / tag
+    if folder.is_dir():
+        return folder
+    aside = load_dir / f"{tag}.old"
+    if aside.is_dir() and (aside / MODEL_FILE).is_file():
+        logger.warning(
+            f"{who}checkpoint {tag!r}: its re-save was interrupted before publication; "
+            f"loading the previous complete save, {aside}"
+        )
+        return aside
+    raise CheckpointError(f"{who}tag {tag!r} not found in {load_dir}")
 
 
 def find_latest(load_dir: Path) -> str | None:
