@@ -377,17 +377,41 @@ def check_errors(path: str) -> None:
         CheckpointError, match=r"another model.*hidden.weight: saved \(16, 16\), model \(8, 8\)"
     ):
         other.load_checkpoint(root)
+    shard = root / "t" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    first_save = shard.read_bytes()
+    engine.save_checkpoint(root, tag="t")  # the same tag again: another save
     dist.barrier()
     if dist.get_rank() == 0:
-        shard = root / "t" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
-        data = shard.read_bytes()
-        shard.write_bytes(data[: len(data) // 3])
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0x01  # one bit flipped, the size unchanged
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    changed = r"zero_pp_rank_1_mp_rank_00_optim_states.pt does not match the checksum"
+    with pytest.raises(CheckpointError, match=changed):
+        engine.load_checkpoint(root)
+    with pytest.raises(CheckpointError, match=changed):
+        get_fp32_state_dict(root)  # consolidation checks alike
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shard.write_bytes(first_save)  # a whole file, but from the earlier save of the tag
+    dist.barrier()
+    with pytest.raises(CheckpointError, match=changed):
+        engine.load_checkpoint(root)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (root / "t" / "checksums.json").unlink()  # even without the digests
+    dist.barrier()
+    with pytest.raises(CheckpointError, match=r"optim_states.pt belongs to another save"):
+        engine.load_checkpoint(root)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shard.write_bytes(first_save[: len(first_save) // 3])
     dist.barrier()
     with pytest.raises(CheckpointError, match=r"optimizer shard of rank 1 .* is truncated"):
         engine.load_checkpoint(root)
     dist.barrier()
     if dist.get_rank() == 0:
-        (root / "t" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+        shard.unlink()
     dist.barrier()
     with pytest.raises(CheckpointError, match="missing optimizer shard of rank 1"):
         engine.load_checkpoint(root)

@@ -24,6 +24,8 @@ the dense model's state dict.
 
 from __future__ import annotations
 
+import shutil
+import uuid
 from pathlib import Path
 
 import torch
@@ -40,6 +42,7 @@ from zerolap.checkpoint.files import (
     read_checkpoint,
     tag_folder,
     write,
+    write_checksums,
 )
 from zerolap.checkpoint.module_state import full_state_dict
 from zerolap.checkpoint.shards import (
@@ -192,9 +195,13 @@ def save_checkpoint(
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     staged = partial_dir(save_dir, tag)
     rank, world = dist.get_rank(), dist.get_world_size()  # every rank saves a file
+    # The save's identity, in every file: a file from another save cannot pass for this one's.
+    save = [{"id": uuid.uuid4().hex, "tag": tag, "step": engine.global_steps}]
     if rank == 0:
-        staged.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
+        shutil.rmtree(staged, ignore_errors=True)  # what a killed save of this tag left
+        staged.mkdir(parents=True)
+    dist.broadcast_object_list(save, src=0)
+    save = save[0]
     names = managed_names(engine)
     _refuse_frozen_pieces(engine)
     aliases = _aliases(engine)
@@ -205,19 +212,22 @@ def save_checkpoint(
         aliases = {k: n for k, n in aliases.items() if n not in frozen}
     else:
         names_saved = names
-    write(
+    shard_digest = write(
         {
             "rank": rank,
             "world_size": world,
             "runs": _shard_runs(engine, names, exclude_frozen),
             "param_groups": _optimizer_groups(engine),
             "rng": rng_state(),
+            "save": save,
         },
         staged / optim_file(rank),
     )
+    digests: list | None = [None] * world if rank == 0 else None
+    dist.gather_object(shard_digest, digests, dst=0)
     if rank == 0:
         shapes = dict(zip(names, (_dense_shape(p) for p in _managed(engine)), strict=True))
-        write(
+        model_digest = write(
             {
                 "module": module_states,
                 "param_names": names_saved,
@@ -234,9 +244,12 @@ def save_checkpoint(
                 "loss_scaler": engine.loss_scaler.state_dict(),
                 "client_state": client_state or {},
                 "ds_config": engine._config.model_dump(mode="json"),
+                "save": save,
             },
             staged / MODEL_FILE,
         )
+        files = {optim_file(r): d for r, d in enumerate(digests)} | {MODEL_FILE: model_digest}
+        write_checksums(staged, save, files)
     dist.barrier()
     if rank == 0:
         publish(save_dir, tag, save_latest=save_latest)

@@ -6,13 +6,23 @@ Layout of ``save_dir``::
     <tag>/mp_rank_00_model_states.pt         module, counters, scheduler, scaler (rank 0)
     <tag>/zero_pp_rank_<r>_mp_rank_00_optim_states.pt   rank r's optimizer shard and RNG
 
+    <tag>/checksums.json                     the save's identity and every file's digest
+
 A save writes into ``<tag>.partial`` (each file through a temporary name and ``os.replace``),
 then rank 0 renames the folder to ``<tag>`` and only then points ``latest`` at it. A process
 killed at any moment leaves the previous checkpoint and ``latest`` as they were.
+
+Every file records the save it belongs to (tag, step and a save id all ranks share), and
+``checksums.json`` the BLAKE2b digest of each file's bytes. A load checks both before it
+trusts anything: a file whose bytes changed after the save, or one left over from another save,
+is an error naming it. (Checkpoints without ``checksums.json``, written by DeepSpeed or an
+earlier zerolap, load unchecked.)
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import shutil
@@ -34,11 +44,14 @@ __all__ = [
     "read_checkpoint",
     "read_latest",
     "tag_folder",
+    "verify",
     "write",
+    "write_checksums",
 ]
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 LATEST = "latest"
+CHECKSUMS = "checksums.json"
 
 
 class CheckpointError(RuntimeError):
@@ -53,11 +66,60 @@ def partial_dir(save_dir: Path, tag: str) -> Path:
     return save_dir / f"{tag}.partial"
 
 
-def write(obj, path: Path) -> None:
-    """``torch.save`` to a temporary name, then rename: the file is whole or absent."""
+def write(obj, path: Path) -> str:
+    """``torch.save`` to a temporary name, then rename: the file is whole or absent. Returns
+    the digest of its bytes."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     torch.save(obj, tmp)
     os.replace(tmp, path)
+    return digest(path)
+
+
+def digest(path: Path) -> str:
+    """BLAKE2b (128 bits) of the file's bytes, read in 8 MiB pieces."""
+    hasher = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as file:
+        while piece := file.read(8 << 20):
+            hasher.update(piece)
+    return hasher.hexdigest()
+
+
+def write_checksums(folder: Path, save: dict, digests: dict[str, str]) -> None:
+    """``checksums.json``: the save's identity and the digest of every file, by name."""
+    _write_text(folder / CHECKSUMS, json.dumps({"save": save, "files": digests}, indent=1))
+
+
+def verify(folder: Path) -> dict | None:
+    """Check every file ``checksums.json`` lists against its digest; returns the save's
+    identity (None for a checkpoint without checksums)."""
+    path = folder / CHECKSUMS
+    if not path.is_file():
+        return None
+    try:
+        recorded = json.loads(path.read_text())
+        files, save = recorded["files"], recorded["save"]
+    except (ValueError, KeyError, TypeError) as err:
+        raise CheckpointError(f"{path} is damaged: {err}") from None
+    for name, expected in files.items():
+        file = folder / name
+        if not file.is_file():
+            raise CheckpointError(f"missing {file}, which save {save['id']} wrote")
+        if digest(file) != expected:
+            raise CheckpointError(
+                f"{file} does not match the checksum its save recorded: its bytes changed "
+                "after the save (damaged, or replaced by another file)"
+            )
+    return save
+
+
+def check_same_save(file: Path, payload: dict, save: dict | None) -> None:
+    """A file read from a checkpoint belongs to the save ``checksums.json`` names."""
+    mine = payload.get("save")
+    if save is not None and mine != save:
+        raise CheckpointError(
+            f"{file} belongs to another save ({mine}) than the checkpoint's ({save}): a file "
+            "left over from an earlier save or copied in"
+        )
 
 
 def _write_text(path: Path, text: str) -> None:
@@ -136,13 +198,17 @@ def read_checkpoint(folder: Path, client_groups=None) -> tuple[dict, list[dict]]
 
     if not (folder / MODEL_FILE).is_file() and is_deepspeed_checkpoint(folder):
         return read_deepspeed(folder, client_groups)  # stage 3: one model file per rank
+    save = verify(folder)
     saved = read(folder / MODEL_FILE, what="model states")
     if is_deepspeed_checkpoint(folder, saved):
         return read_deepspeed(folder, client_groups)
-    shards = [
-        read(folder / optim_file(r), what=f"optimizer shard of rank {r}")
-        for r in range(saved["world_size"])
-    ]
+    check_same_save(folder / MODEL_FILE, saved, save)
+    save = save or saved.get("save")  # without checksums.json, the model file's save rules
+    shards = []
+    for r in range(saved["world_size"]):
+        shard = read(folder / optim_file(r), what=f"optimizer shard of rank {r}")
+        check_same_save(folder / optim_file(r), shard, save)
+        shards.append(shard)
     return saved, shards
 
 
