@@ -482,3 +482,56 @@ def test_a_resave_killed_mid_publication_loads_the_previous_save(ranks, tmp_path
     results = ranks(2).run(resave_killed_between_renames, str(tmp_path), timeout=120)
     assert results[0][:2] == [True, True] and results[1][1] is True
     assert "re-save was interrupted before publication" in results[0][2][0]
+
+
+def save_with_a_full_disk(path: str, full_rank: int) -> list:
+    """Rank ``full_rank``'s disk fills up while it writes its shard (torch's own error): every
+    rank gets the same named error, the partial files are gone, the previous checkpoint still
+    loads, and training and saving go on."""
+    import errno
+
+    import zerolap.checkpoint.files as files
+
+    engine = _engine(2, dropout=False)
+    _train(engine, 0, 1)
+    engine.save_checkpoint(path, tag="good")
+    good = _params(engine)
+    _train(engine, 1, 1)
+    real_save = files.torch.save
+
+    def full(obj, target):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if dist.get_rank() == full_rank:
+        files.torch.save = full
+    try:
+        engine.save_checkpoint(path, tag="bad")
+        message = "saved"
+    except CheckpointError as err:
+        message = str(err)
+    finally:
+        files.torch.save = real_save
+    leftovers = sorted(p.name for p in Path(path).iterdir())
+    _train(engine, 2, 1)  # the ranks are still in step
+    engine.save_checkpoint(path, tag="later")
+    fresh = _engine(2, dropout=False)
+    fresh.load_checkpoint(path, tag="good")
+    same = all(torch.equal(a, b) for a, b in zip(_params(fresh), good, strict=True))
+    fresh.destroy()
+    engine.destroy()
+    return [message, leftovers, same]
+
+
+@pytest.mark.parametrize("full_rank", [0, 1])
+def test_a_full_disk_fails_the_save_on_every_rank_and_keeps_the_last_one(
+    ranks, tmp_path, full_rank
+):
+    results = ranks(2).run(save_with_a_full_disk, str(tmp_path), full_rank, timeout=120)
+    shard = f"zero_pp_rank_{full_rank}_mp_rank_00_optim_states.pt"
+    for message, leftovers, same in results:
+        assert message.startswith(
+            f"checkpoint 'bad' not saved: rank {full_rank}: no space left on the device of "
+        ), message
+        assert f"bad.partial writing {shard}: about " in message
+        assert leftovers == ["good", "latest"]  # no partial folder, the good one published
+        assert same

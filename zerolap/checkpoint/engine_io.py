@@ -41,7 +41,7 @@ from zerolap.checkpoint.files import (
     publish,
     read_checkpoint,
     tag_folder,
-    write,
+    try_write,
     write_checksums,
 )
 from zerolap.checkpoint.module_state import full_state_dict
@@ -212,7 +212,7 @@ def save_checkpoint(
         aliases = {k: n for k, n in aliases.items() if n not in frozen}
     else:
         names_saved = names
-    shard_digest = write(
+    shard_digest, failure = try_write(
         {
             "rank": rank,
             "world_size": world,
@@ -223,12 +223,16 @@ def save_checkpoint(
         },
         staged / optim_file(rank),
     )
-    digests: list | None = [None] * world if rank == 0 else None
-    dist.gather_object(shard_digest, digests, dst=0)
+    written: list | None = [None] * world if rank == 0 else None
+    dist.gather_object((shard_digest, failure), written, dst=0)
+    outcome = [None]  # rank 0's verdict for all: None, or why the save failed
     if rank == 0:
-        shapes = dict(zip(names, (_dense_shape(p) for p in _managed(engine)), strict=True))
-        model_digest = write(
-            {
+        failed = [f"rank {r}: {why}" for r, (_, why) in enumerate(written) if why is not None]
+        if failed:
+            outcome = ["; ".join(failed)]
+        else:
+            shapes = dict(zip(names, (_dense_shape(p) for p in _managed(engine)), strict=True))
+            model_states = {
                 "module": module_states,
                 "param_names": names_saved,
                 "param_shapes": {n: shapes[n] for n in names_saved},
@@ -245,16 +249,34 @@ def save_checkpoint(
                 "client_state": client_state or {},
                 "ds_config": engine._config.model_dump(mode="json"),
                 "save": save,
-            },
-            staged / MODEL_FILE,
-        )
-        files = {optim_file(r): d for r, d in enumerate(digests)} | {MODEL_FILE: model_digest}
-        write_checksums(staged, save, files)
+            }
+            outcome = [_finish_files(staged, save, model_states, [d for d, _ in written])]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        # Every rank fails alike, the partial files go, the previous checkpoint stays.
+        if rank == 0:
+            shutil.rmtree(staged, ignore_errors=True)
+        dist.barrier()
+        raise CheckpointError(f"checkpoint {tag!r} not saved: {outcome[0]}")
     dist.barrier()
     if rank == 0:
         publish(save_dir, tag, save_latest=save_latest)
     dist.barrier()
     return str(save_dir / tag)
+
+
+def _finish_files(staged: Path, save: dict, model_states: dict, digests: list) -> str | None:
+    """Rank 0's model-states file, then ``checksums.json``; why they could not be written, or
+    None."""
+    model_digest, failure = try_write(model_states, staged / MODEL_FILE)
+    if failure is not None:
+        return f"rank 0: {failure}"
+    files = {optim_file(r): d for r, d in enumerate(digests)} | {MODEL_FILE: model_digest}
+    try:
+        write_checksums(staged, save, files)
+    except OSError as err:
+        return f"rank 0: could not write {staged / 'checksums.json'}: {err}"
+    return None
 
 
 def _saved_shapes(saved: dict) -> dict[str, tuple[int, ...]]:

@@ -21,6 +21,7 @@ earlier zerolap, load unchecked.)
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -44,6 +45,7 @@ __all__ = [
     "read_checkpoint",
     "read_latest",
     "tag_folder",
+    "try_write",
     "verify",
     "write",
     "write_checksums",
@@ -73,6 +75,47 @@ def write(obj, path: Path) -> str:
     torch.save(obj, tmp)
     os.replace(tmp, path)
     return digest(path)
+
+
+def try_write(obj, path: Path) -> tuple[str | None, str | None]:
+    """``write``, or why it could not: ``(digest, None)`` or ``(None, reason)``. A disk without
+    room for the file's tensors fails before any byte is written; one that fills up meanwhile
+    (torch reports it as ``enforce fail at inline_container.cc``) is said the same way."""
+    needed = _tensor_bytes(obj)
+    free = shutil.disk_usage(path.parent).free
+    if free < needed:
+        return None, _no_space(path, needed, free)
+    try:
+        return write(obj, path), None
+    except (OSError, RuntimeError) as err:
+        _remove_temporaries(path)
+        free = shutil.disk_usage(path.parent).free
+        if getattr(err, "errno", None) == errno.ENOSPC or free < needed:
+            return None, _no_space(path, needed, free)
+        return None, f"could not write {path}: {err}"
+
+
+def _no_space(path: Path, needed: int, free: int) -> str:
+    return (
+        f"no space left on the device of {path.parent} writing {path.name}: about {needed:,} "
+        f"bytes needed, {free:,} free ({max(needed - free, 0):,} short)"
+    )
+
+
+def _remove_temporaries(path: Path) -> None:
+    for tmp in path.parent.glob(f".{path.name}.tmp-*"):
+        tmp.unlink(missing_ok=True)
+
+
+def _tensor_bytes(obj) -> int:
+    """Bytes of the tensors in ``obj`` (a lower bound of its file's size)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
 
 
 def digest(path: Path) -> str:
