@@ -78,3 +78,27 @@ def test_step_before_backward_is_an_error(ranks):
             "step() at step 0 with no backward() since the last step (or zero_grad()): call "
             "engine.backward(loss) first"
         )
+
+
+def train_on_uneven_data() -> list[int]:
+    """Rank 1 has one batch fewer: with the per-step agreement every rank stops after the
+    batches all of them have, instead of rank 0 hanging in its extra step."""
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 2},
+    }
+    engine, *_ = zerolap.initialize(model=make_model(), config=config)
+    rank = dist.get_rank()
+    batches = iter([global_batch(step, MICRO) for step in range(4 - rank)])
+    while engine.all_ranks_have_data((batch := next(batches, None)) is not None):
+        tokens, targets = batch
+        engine.backward(loss_fn(engine(tokens), targets))
+        engine.step()
+    steps = engine.global_steps
+    engine.destroy()
+    return [steps, sum(1 for _ in batches)]
+
+
+def test_uneven_data_stops_every_rank_together(ranks):
+    assert ranks(2).run(train_on_uneven_data, timeout=60) == [[3, 0], [3, 0]]

@@ -625,6 +625,20 @@ class ZerolapEngine(torch.nn.Module):
             param.grad = None
         self._cycle_fresh = True
 
+    def all_ranks_have_data(self, has_data: bool) -> bool:
+        """Uneven inputs: call once per step with whether this rank got a batch; True while
+        every rank did. One one-element all-reduce; a rank that runs out of data first makes
+        all of them stop together instead of leaving the others waiting in the step's
+        collectives until the timeout::
+
+            batches = iter(loader)
+            while engine.all_ranks_have_data((batch := next(batches, None)) is not None):
+                engine.backward(engine(batch)); engine.step()
+        """
+        flag = torch.tensor([1.0 if has_data else 0.0])
+        dist.all_reduce(flag, op="min")
+        return bool(flag.item())
+
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally without reducing them (stages 0 and 1)."""
