@@ -454,7 +454,7 @@ def resave_killed_between_renames(path: str) -> list:
 
     def dies_at_the_second_rename(src, dst):
         if str(src).endswith("t.partial"):
-            raise KeyboardInterrupt("killed")  # the process dies here
+            raise OSError("killed")  # nothing after this runs, as if the process died here
         real_replace(src, dst)
 
     died = False
@@ -462,9 +462,8 @@ def resave_killed_between_renames(path: str) -> list:
         os.replace = dies_at_the_second_rename
     try:
         engine.save_checkpoint(path, tag="t")
-    except KeyboardInterrupt:
-        died = True
-        dist.barrier()  # the one after publication, which the dead save did not reach
+    except CheckpointError as err:  # on every rank alike
+        died = "could not publish it" in str(err)
     finally:
         os.replace = real_replace
     engine.destroy()
@@ -480,12 +479,12 @@ def resave_killed_between_renames(path: str) -> list:
 
 def test_a_resave_killed_mid_publication_loads_the_previous_save(ranks, tmp_path):
     results = ranks(2).run(resave_killed_between_renames, str(tmp_path), timeout=120)
-    assert results[0][:2] == [True, True] and results[1][1] is True
+    assert results[0][:2] == [True, True] and results[1][:2] == [True, True]
     assert "re-save was interrupted before publication" in results[0][2][0]
 
 
 def save_with_a_full_disk(path: str, full_rank: int) -> list:
-    """Rank ``full_rank``'s disk fills up while it writes its shard (torch's own error): every
+    """Rank ``full_rank``'s disk fills up while it writes its shard (ENOSPC): every
     rank gets the same named error, the partial files are gone, the previous checkpoint still
     loads, and training and saving go on."""
     import errno

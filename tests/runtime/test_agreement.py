@@ -92,3 +92,21 @@ def test_rank_local_settings_may_differ():
     other = _config(zero_optimization=offload, comms_logger={"enabled": True})
     model = make_model()
     assert describe(parse_config(one), model) == describe(parse_config(other), model)
+
+
+def one_rank_with_an_invalid_config() -> str:
+    config = _config(zero_optimization={"stage": 7}) if dist.get_rank() == 1 else _config()
+    try:
+        zerolap.initialize(model=make_model(), config=config)
+    except ConfigError as err:
+        return str(err)
+    return "initialized"
+
+
+def test_an_invalid_config_on_one_rank_fails_every_rank_without_a_hang(ranks):
+    rank0, rank1 = ranks(2).run(one_rank_with_an_invalid_config, timeout=60)
+    assert (
+        rank0 == "the ds_config of ranks [1] is invalid (their own error says why); this "
+        "rank's (rank 0) is valid"
+    )
+    assert "zero_optimization.stage" in rank1

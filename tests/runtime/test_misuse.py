@@ -47,7 +47,7 @@ def backward_with_an_unused_module(stage: int, ignore: bool) -> str:
 def test_unused_parameters_are_an_error_when_asked(ranks, stage):
     for rank, message in enumerate(ranks(2).run(backward_with_an_unused_module, stage, False)):
         assert message.startswith(
-            f"parameters that require grad got no gradient in this backward (on rank {rank}: "
+            f"parameters got no gradient in this accumulation cycle (on rank {rank}: "
             "spare.weight, spare.bias) and zero_optimization.ignore_unused_parameters is false"
         ), message
     assert ranks(2).run(backward_with_an_unused_module, stage, True) == ["trained"] * 2
@@ -102,3 +102,34 @@ def train_on_uneven_data() -> list[int]:
 
 def test_uneven_data_stops_every_rank_together(ranks):
     assert ranks(2).run(train_on_uneven_data, timeout=60) == [[3, 0], [3, 0]]
+
+
+def used_in_one_micro_batch_of_the_cycle(stage: int, used_in: int) -> str:
+    """A parameter used in one micro-batch of an accumulation cycle and not the other is used:
+    no error with ignore_unused_parameters false, whichever micro-batch it is (stage 2 reduces
+    every micro-batch; the cycle is judged at its end)."""
+    model = make_model()
+    model.spare = torch.nn.Linear(3, 3)
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": stage, "ignore_unused_parameters": False},
+    }
+    engine, *_ = zerolap.initialize(model=model, config=config)
+    tokens, targets = global_batch(0, MICRO)
+    for micro in range(2):
+        loss = loss_fn(engine(tokens), targets)
+        if micro == used_in:
+            loss = loss + model.spare(torch.ones(3)).sum() * 0.0
+        engine.backward(loss)
+        engine.step()
+    engine.destroy()
+    return "trained"
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_unused_is_judged_over_the_accumulation_cycle(ranks, stage):
+    for used_in in (0, 1):
+        result = ranks(2).run(used_in_one_micro_batch_of_the_cycle, stage, used_in)
+        assert result == ["trained"] * 2

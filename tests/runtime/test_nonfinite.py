@@ -101,3 +101,25 @@ def test_nonfinite_gradients_can_raise_at_once_or_after_skips_in_a_row(ranks):
         assert result["changed"] == [True, False]
         assert "2 steps in a row were skipped" in result["error"]
         assert "nonfinite_gradients.max_consecutive_skips=2" in result["error"]
+
+
+def train_with_huge_finite_gradients() -> list:
+    """Gradients around 1e20 are finite: fp32 sums of their squares overflow, the check must
+    not read that as inf (clipping then scales the step down as usual)."""
+    engine, *_ = zerolap.initialize(model=make_model(), config=_config(2, "fp32"))
+    rank = dist.get_rank()
+    tokens, targets = global_batch(0, MICRO * dist.get_world_size())
+    mine = slice(rank * MICRO, (rank + 1) * MICRO)
+    before = _params(engine)
+    engine.backward(loss_fn(engine(tokens[mine]), targets[mine]) * 1e20)
+    engine.step()
+    after = _params(engine)
+    result = [engine.skipped_steps, engine.get_global_grad_norm() > 1e19]
+    result.append(all(torch.isfinite(p).all() for p in after))
+    result.append(any(not torch.equal(a, b) for a, b in zip(after, before, strict=True)))
+    engine.destroy()
+    return result
+
+
+def test_huge_but_finite_gradients_are_not_skipped(ranks):
+    assert ranks(2).run(train_with_huge_finite_gradients) == [[0, True, True, True]] * 2

@@ -42,6 +42,7 @@ from zerolap.checkpoint.files import (
     read_checkpoint,
     tag_folder,
     try_write,
+    verify,
     write_checksums,
 )
 from zerolap.checkpoint.module_state import full_state_dict
@@ -196,12 +197,19 @@ def save_checkpoint(
     staged = partial_dir(save_dir, tag)
     rank, world = dist.get_rank(), dist.get_world_size()  # every rank saves a file
     # The save's identity, in every file: a file from another save cannot pass for this one's.
-    save = [{"id": uuid.uuid4().hex, "tag": tag, "step": engine.global_steps}]
+    # Whatever fails on one rank fails the save on all of them alike (rank 0's verdicts are
+    # broadcast), so that no rank is left waiting in a collective the others skipped.
+    begun = [{"id": uuid.uuid4().hex, "tag": tag, "step": engine.global_steps}, None]
     if rank == 0:
-        shutil.rmtree(staged, ignore_errors=True)  # what a killed save of this tag left
-        staged.mkdir(parents=True)
-    dist.broadcast_object_list(save, src=0)
-    save = save[0]
+        try:
+            shutil.rmtree(staged, ignore_errors=True)  # what a killed save of this tag left
+            staged.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            begun[1] = f"rank 0: could not create {staged}: {err}"
+    dist.broadcast_object_list(begun, src=0)
+    save, failure = begun
+    if failure is not None:
+        raise CheckpointError(f"checkpoint {tag!r} not saved: {failure}")
     names = managed_names(engine)
     _refuse_frozen_pieces(engine)
     aliases = _aliases(engine)
@@ -212,17 +220,20 @@ def save_checkpoint(
         aliases = {k: n for k, n in aliases.items() if n not in frozen}
     else:
         names_saved = names
-    shard_digest, failure = try_write(
-        {
-            "rank": rank,
-            "world_size": world,
-            "runs": _shard_runs(engine, names, exclude_frozen),
-            "param_groups": _optimizer_groups(engine),
-            "rng": rng_state(),
-            "save": save,
-        },
-        staged / optim_file(rank),
-    )
+    try:
+        shard_digest, failure = try_write(
+            {
+                "rank": rank,
+                "world_size": world,
+                "runs": _shard_runs(engine, names, exclude_frozen),
+                "param_groups": _optimizer_groups(engine),
+                "rng": rng_state(),
+                "save": save,
+            },
+            staged / optim_file(rank),
+        )
+    except Exception as err:  # reading swapped state, say: the save fails, on every rank
+        shard_digest, failure = None, f"could not save its shard: {err!r}"
     written: list | None = [None] * world if rank == 0 else None
     dist.gather_object((shard_digest, failure), written, dst=0)
     outcome = [None]  # rank 0's verdict for all: None, or why the save failed
@@ -231,26 +242,31 @@ def save_checkpoint(
         if failed:
             outcome = ["; ".join(failed)]
         else:
-            shapes = dict(zip(names, (_dense_shape(p) for p in _managed(engine)), strict=True))
-            model_states = {
-                "module": module_states,
-                "param_names": names_saved,
-                "param_shapes": {n: shapes[n] for n in names_saved},
-                "aliases": aliases,
-                "frozen": _frozen_keys(engine) if not exclude_frozen else [],
-                "world_size": world,
-                "zero_stage": engine.zero_optimization_stage(),
-                "global_steps": engine.global_steps,
-                "global_samples": engine.global_samples,
-                "micro_steps": engine.micro_steps,
-                "skipped_steps": engine.skipped_steps,
-                "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler else None,
-                "loss_scaler": engine.loss_scaler.state_dict(),
-                "client_state": client_state or {},
-                "ds_config": engine._config.model_dump(mode="json"),
-                "save": save,
-            }
-            outcome = [_finish_files(staged, save, model_states, [d for d, _ in written])]
+            try:
+                shapes = dict(zip(names, (_dense_shape(p) for p in _managed(engine)), strict=True))
+                model_states = {
+                    "module": module_states,
+                    "param_names": names_saved,
+                    "param_shapes": {n: shapes[n] for n in names_saved},
+                    "aliases": aliases,
+                    "frozen": _frozen_keys(engine) if not exclude_frozen else [],
+                    "world_size": world,
+                    "zero_stage": engine.zero_optimization_stage(),
+                    "global_steps": engine.global_steps,
+                    "global_samples": engine.global_samples,
+                    "micro_steps": engine.micro_steps,
+                    "skipped_steps": engine.skipped_steps,
+                    "lr_scheduler": engine.lr_scheduler.state_dict()
+                    if engine.lr_scheduler
+                    else None,
+                    "loss_scaler": engine.loss_scaler.state_dict(),
+                    "client_state": client_state or {},
+                    "ds_config": engine._config.model_dump(mode="json"),
+                    "save": save,
+                }
+                outcome = [_finish_files(staged, save, model_states, [d for d, _ in written])]
+            except Exception as err:  # a scheduler or client_state that cannot be saved
+                outcome = [f"rank 0: could not save the model states: {err!r}"]
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
         # Every rank fails alike, the partial files go, the previous checkpoint stays.
@@ -258,10 +274,15 @@ def save_checkpoint(
             shutil.rmtree(staged, ignore_errors=True)
         dist.barrier()
         raise CheckpointError(f"checkpoint {tag!r} not saved: {outcome[0]}")
-    dist.barrier()
+    published = [None]
     if rank == 0:
-        publish(save_dir, tag, save_latest=save_latest)
-    dist.barrier()
+        try:
+            publish(save_dir, tag, save_latest=save_latest)
+        except OSError as err:
+            published = [f"rank 0: could not publish it in {save_dir}: {err}"]
+    dist.broadcast_object_list(published, src=0)
+    if published[0] is not None:
+        raise CheckpointError(f"checkpoint {tag!r} not saved: {published[0]}")
     return str(save_dir / tag)
 
 
@@ -277,6 +298,22 @@ def _finish_files(staged: Path, save: dict, model_states: dict, digests: list) -
     except OSError as err:
         return f"rank 0: could not write {staged / 'checksums.json'}: {err}"
     return None
+
+
+def _verify_together(folder: Path) -> None:
+    """The ranks split hashing the checkpoint's files and agree on the verdict, so that every
+    rank raises the same error (and none goes on to a collective alone)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        verify(folder, share=(rank, world))
+        problem = None
+    except CheckpointError as err:
+        problem = str(err)
+    problems: list = [None] * world
+    dist.all_gather_object(problems, problem)
+    found = [p for p in problems if p is not None]
+    if found:
+        raise CheckpointError(found[0])
 
 
 def _saved_shapes(saved: dict) -> dict[str, tuple[int, ...]]:
@@ -431,7 +468,8 @@ def load_checkpoint(
             logger.warning(f"nothing loaded: {no_latest(load_dir)}")
             return None, None
     folder = tag_folder(load_dir, str(tag), who=f"rank {dist.get_rank()}: ")
-    saved, shards = read_checkpoint(folder, _client_groups(engine))
+    _verify_together(folder)
+    saved, shards = read_checkpoint(folder, _client_groups(engine), hashed=True)
     _check_same_model(engine, saved, folder, load_module_strict)
     index = SegmentIndex(shards)
     params = SavedParams(saved, index)
@@ -452,6 +490,7 @@ def load_checkpoint(
         engine.loss_scaler.load_state_dict(saved["loss_scaler"])
     for counter in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
         setattr(engine, counter, saved[counter])
+    engine.nonfinite.reset()  # a rollback starts a fresh count of skips in a row
     rank = dist.get_rank()
     if rank < len(shards) and shards[rank].get("rng") is not None:
         restore_rng(shards[rank]["rng"])

@@ -107,14 +107,21 @@ def _remove_temporaries(path: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
-def _tensor_bytes(obj) -> int:
-    """Bytes of the tensors in ``obj`` (a lower bound of its file's size)."""
+def _tensor_bytes(obj, seen: set | None = None) -> int:
+    """Bytes of the tensors in ``obj``, each storage once as ``torch.save`` writes it (a lower
+    bound of the file's size)."""
+    seen = set() if seen is None else seen
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+        storage = obj.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if key in seen:
+            return 0
+        seen.add(key)
+        return storage.nbytes()
     if isinstance(obj, dict):
-        return sum(_tensor_bytes(v) for v in obj.values())
+        return sum(_tensor_bytes(v, seen) for v in obj.values())
     if isinstance(obj, list | tuple):
-        return sum(_tensor_bytes(v) for v in obj)
+        return sum(_tensor_bytes(v, seen) for v in obj)
     return 0
 
 
@@ -132,18 +139,28 @@ def write_checksums(folder: Path, save: dict, digests: dict[str, str]) -> None:
     _write_text(folder / CHECKSUMS, json.dumps({"save": save, "files": digests}, indent=1))
 
 
-def verify(folder: Path) -> dict | None:
-    """Check every file ``checksums.json`` lists against its digest; returns the save's
-    identity (None for a checkpoint without checksums)."""
+def _recorded(folder: Path) -> tuple[dict, dict] | None:
+    """``checksums.json``'s save identity and digests (None for a checkpoint without it)."""
     path = folder / CHECKSUMS
     if not path.is_file():
         return None
     try:
         recorded = json.loads(path.read_text())
-        files, save = recorded["files"], recorded["save"]
+        return recorded["save"], recorded["files"]
     except (ValueError, KeyError, TypeError) as err:
         raise CheckpointError(f"{path} is damaged: {err}") from None
-    for name, expected in files.items():
+
+
+def verify(folder: Path, share: tuple[int, int] = (0, 1)) -> dict | None:
+    """Check the files ``checksums.json`` lists against their digests, those of ``share``
+    ``(index, count)`` only (the ranks of a load split the hashing: file i is rank i mod
+    count's); returns the save's identity (None for a checkpoint without checksums)."""
+    recorded = _recorded(folder)
+    if recorded is None:
+        return None
+    save, files = recorded
+    index, count = share
+    for name, expected in sorted(files.items())[index::count]:
         file = folder / name
         if not file.is_file():
             raise CheckpointError(f"missing {file}, which save {save['id']} wrote")
@@ -233,15 +250,22 @@ def read_latest(load_dir: Path) -> str:
     return tag
 
 
-def read_checkpoint(folder: Path, client_groups=None) -> tuple[dict, list[dict]]:
+def read_checkpoint(
+    folder: Path, client_groups=None, *, hashed: bool = False
+) -> tuple[dict, list[dict]]:
     """The model states and every rank's shard of the checkpoint in ``folder``, saved by
     zerolap or by DeepSpeed (converted to zerolap's form, ``checkpoint.deepspeed_format``;
-    ``client_groups`` names a stage-0 DeepSpeed optimizer's entries)."""
+    ``client_groups`` names a stage-0 DeepSpeed optimizer's entries). Its files' bytes are
+    checked against their digests unless the caller did (``hashed``)."""
     from zerolap.checkpoint.deepspeed_format import is_deepspeed_checkpoint, read_deepspeed
 
     if not (folder / MODEL_FILE).is_file() and is_deepspeed_checkpoint(folder):
         return read_deepspeed(folder, client_groups)  # stage 3: one model file per rank
-    save = verify(folder)
+    if hashed:
+        recorded = _recorded(folder)
+        save = None if recorded is None else recorded[0]
+    else:
+        save = verify(folder)
     saved = read(folder / MODEL_FILE, what="model states")
     if is_deepspeed_checkpoint(folder, saved):
         return read_deepspeed(folder, client_groups)

@@ -6,6 +6,7 @@ it) and passes through the comms logger, whose records also feed the overlap pro
 """
 
 from zerolap.comm.barriers import barrier, monitored_barrier
+from zerolap.comm.checks import buffer_device
 from zerolap.comm.coalesced import (
     all_gather_coalesced,
     all_reduce_coalesced,
@@ -75,6 +76,7 @@ __all__ = [
     "barrier",
     "broadcast",
     "broadcast_object_list",
+    "buffer_device",
     "configure",
     "destroy_process_group",
     "gather",

@@ -17,6 +17,7 @@ from zerolap.comm.groups import backend_of, group_ranks, require_initialized
 
 __all__ = [
     "GroupInfo",
+    "buffer_device",
     "check_group",
     "check_list",
     "check_peer",
@@ -59,6 +60,13 @@ _group_infos: dict[object, GroupInfo] = {}
 
 def forget_groups() -> None:
     _group_infos.clear()
+
+
+def buffer_device(group: torch_dist.ProcessGroup | None = None) -> torch.device:
+    """Where a small tensor must live to be sent over ``group`` (CUDA for NCCL, else CPU):
+    for the engine's own flags and digests."""
+    require_initialized("buffer_device")
+    return GroupInfo(group).device()
 
 
 def check_group(op: str, group: torch_dist.ProcessGroup | None) -> GroupInfo:

@@ -61,18 +61,38 @@ def _digest(value: Any) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
 
 
-def check_ranks_agree(config: ZerolapConfig, model: torch.nn.Module) -> None:
+def check_ranks_agree(
+    config: ZerolapConfig | None, model: torch.nn.Module, invalid: ConfigError | None = None
+) -> None:
     """A ``ConfigError`` on every rank, naming the first difference and the ranks, unless all
-    ranks have the same config and model. A collective over all ranks."""
+    ranks have the same config and model. ``invalid``: this rank's ds_config did not parse
+    (``config`` is None); every rank learns it here rather than waiting for the others in a
+    collective. A collective over all ranks."""
     if dist.get_world_size() == 1:
+        if invalid is not None:
+            raise invalid
         return
-    mine = describe(config, model)
-    digests = torch.tensor([_digest(mine["config"]), _digest(mine["model"])], dtype=torch.int64)
+    mine = None if invalid is not None else describe(config, model)
+    digests = torch.tensor(
+        [0, 0, 0]
+        if mine is None
+        else [1, _digest(mine["config"]), _digest(list(mine["model"].items()))],
+        dtype=torch.int64,
+        device=dist.buffer_device(),
+    )
     gathered = dist.all_gather(digests)
+    broken = [r for r, g in enumerate(gathered) if g[0] == 0]
+    if invalid is not None:
+        raise invalid
+    if broken:
+        raise ConfigError(
+            f"the ds_config of ranks {broken} is invalid (their own error says why); this "
+            f"rank's (rank {dist.get_rank()}) is valid"
+        )
     if all(torch.equal(g, gathered[0]) for g in gathered):
         return
     everyone: list = [None] * dist.get_world_size()
-    torch.distributed.all_gather_object(everyone, mine)
+    dist.all_gather_object(everyone, mine)
     raise ConfigError(_first_difference(everyone))
 
 
@@ -87,7 +107,12 @@ def _first_difference(everyone: list[dict[str, dict[str, Any]]]) -> str:
             f"the ranks were not given the same job: {what} differs at {where}: rank 0 has "
             f"{ours}, rank {odd[0]} has {theirs} (ranks differing from rank 0: {odd})"
         )
-    raise AssertionError("digests differed but the descriptions do not")
+    # Equal as mappings, so the model's parameters come in another order (another layout).
+    odd = [r for r, d in enumerate(everyone) if list(d["model"]) != list(reference["model"])]
+    return (
+        "the ranks were not given the same job: the model's parameters are registered in "
+        f"another order on ranks {odd} than on rank 0"
+    )
 
 
 def _where(ours: Any, theirs: Any, part: str, path: str = "") -> tuple[str, str, str]:

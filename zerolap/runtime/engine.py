@@ -505,14 +505,15 @@ class ZerolapEngine(torch.nn.Module):
         self._expose_grads()
         self._backward_kind = None
         self._loss_scaled = False
-        if not self._config.zero_optimization.ignore_unused_parameters:
+        at_boundary = self.reducer.reducing and self.is_gradient_accumulation_boundary()
+        if not self._config.zero_optimization.ignore_unused_parameters and at_boundary:
             self._refuse_unused(unused)
 
     def _refuse_unused(self, unused: list[torch.nn.Parameter]) -> None:
-        """``ignore_unused_parameters: false``: a parameter that got no gradient in a reducing
-        backward is an error, on every rank alike (the count is agreed first, so that no rank
-        goes on to the next collective alone)."""
-        count = torch.tensor([float(len(unused))])
+        """``ignore_unused_parameters: false``: a parameter that got no gradient in a whole
+        accumulation cycle is an error, on every rank alike (the count is agreed first, so that
+        no rank goes on to the next collective alone)."""
+        count = torch.tensor([float(len(unused))], device=dist.buffer_device())
         dist.all_reduce(count, op="max")
         if count.item() == 0:
             return
@@ -521,9 +522,9 @@ class ZerolapEngine(torch.nn.Module):
         where = f"on rank {self.global_rank}: {', '.join(mine[:5])}" if mine else "on other ranks"
         more = f" and {len(mine) - 5} more" if len(mine) > 5 else ""
         raise RuntimeError(
-            f"parameters that require grad got no gradient in this backward ({where}{more}) and "
+            f"parameters got no gradient in this accumulation cycle ({where}{more}) and "
             "zero_optimization.ignore_unused_parameters is false; set it true to allow them, "
-            "or set requires_grad=False on them"
+            "or set requires_grad=False on them before initialize()"
         )
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -576,6 +577,7 @@ class ZerolapEngine(torch.nn.Module):
         the boundary only); the optimizer runs at the accumulation boundary."""
         self._require_optimizer("step")
         boundary = self.is_gradient_accumulation_boundary()
+        stop = None  # a NonFiniteGradientError to raise once the step is counted
         if boundary and self._cycle_fresh:
             # No gradient since the last step: AdamW would still move every parameter (its
             # moments and weight decay), and the schedule would count a step that learnt nothing.
@@ -600,7 +602,9 @@ class ZerolapEngine(torch.nn.Module):
                 self.skipped_steps += 1
                 if not self.loss_scaler.dynamic:
                     shard_finite = self.optimizer.shard_finite()
-                    self.nonfinite.skipped(self.global_steps, shard_finite, self.skipped_steps)
+                    stop = self.nonfinite.skipped(
+                        self.global_steps, shard_finite, self.skipped_steps
+                    )
             else:
                 self.nonfinite.applied()
                 if self.lr_scheduler is not None:
@@ -611,6 +615,8 @@ class ZerolapEngine(torch.nn.Module):
             self._report_progress()
         self.micro_steps += 1
         self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
+        if stop is not None:
+            raise stop  # after the step's bookkeeping: a caller that goes on starts clean
 
     def _report_progress(self) -> None:
         """Every ``steps_per_print`` optimizer steps, rank 0 logs where training is."""
@@ -624,6 +630,7 @@ class ZerolapEngine(torch.nn.Module):
         for param in self.params:
             param.grad = None
         self._cycle_fresh = True
+        self.nonfinite.reset()
 
     def all_ranks_have_data(self, has_data: bool) -> bool:
         """Uneven inputs: call once per step with whether this rank got a batch; True while
@@ -635,7 +642,7 @@ class ZerolapEngine(torch.nn.Module):
             while engine.all_ranks_have_data((batch := next(batches, None)) is not None):
                 engine.backward(engine(batch)); engine.step()
         """
-        flag = torch.tensor([1.0 if has_data else 0.0])
+        flag = torch.tensor([1.0 if has_data else 0.0], device=dist.buffer_device())
         dist.all_reduce(flag, op="min")
         return bool(flag.item())
 

@@ -242,8 +242,11 @@ def initialize(
     merged = _merge_tp_model_init(ds_config, mpu)
     if merged is not ds_config:
         source = ds_config = merged
-    parsed = parse_config(source)
-    check_ranks_agree(parsed, model)  # before any collective whose shape the job decides
+    try:
+        parsed, invalid = parse_config(source), None
+    except ConfigError as error:
+        parsed, invalid = None, error
+    check_ranks_agree(parsed, model, invalid)  # before any collective the job shapes
     mesh, replaced = _mesh(parsed.tensor_parallel, mpu, model)
     model_parameters = _to_split(model_parameters, optimizer, replaced)
     cfg = load_config(source, world_size=mesh.dims.data)

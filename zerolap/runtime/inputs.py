@@ -48,9 +48,9 @@ def check_same_inputs(mesh, inputs: tuple, kwargs: dict) -> None:
     rank's. Called once, by every rank of the group."""
     leaves, _ = tree_flatten((inputs, kwargs))
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    mine = fingerprint(tensors)
     group = mesh.tensor_group
-    size = torch.tensor([mine.numel()], dtype=torch.float64)
+    mine = fingerprint(tensors).to(dist.buffer_device(group))
+    size = torch.tensor([mine.numel()], dtype=torch.float64, device=mine.device)
     sizes = dist.all_gather(size, group=group)
     if any(int(s.item()) != mine.numel() for s in sizes):
         counts = [int(s.item()) for s in sizes]

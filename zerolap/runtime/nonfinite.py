@@ -39,13 +39,22 @@ class NonFiniteGuard:
         self.consecutive = 0
         self._losses_finite = None
 
-    def skipped(self, step: int, shard_finite: bool, total_skipped: int) -> None:
+    def reset(self) -> None:
+        """Gradients forgotten (``zero_grad``) or replaced (a loaded checkpoint)."""
+        self.applied()
+
+    def skipped(
+        self, step: int, shard_finite: bool, total_skipped: int
+    ) -> NonFiniteGradientError | None:
         """The optimizer skipped ``step`` for non-finite gradients (every rank calls this):
-        say where they came from, then warn or raise."""
+        say where they came from and warn; returns the error to raise once the engine has
+        finished the step's bookkeeping, when ``nonfinite_gradients`` says to stop."""
         self.consecutive += 1
         losses_finite = self._losses_finite is None or bool(self._losses_finite)
         self._losses_finite = None
-        flags = torch.tensor([losses_finite, shard_finite], dtype=torch.float32)
+        flags = torch.tensor(
+            [losses_finite, shard_finite], dtype=torch.float32, device=dist.buffer_device()
+        )
         gathered = dist.all_gather(flags)
         by_loss = [rank for rank, f in enumerate(gathered) if f[0] == 0]
         by_shard = [rank for rank, f in enumerate(gathered) if f[1] == 0]
@@ -53,13 +62,15 @@ class NonFiniteGuard:
             origin = f"the loss of rank {by_loss[0]} was not finite"
             if len(by_loss) > 1:
                 origin += f" (and of ranks {by_loss[1:]})"
-        else:
+        elif by_shard:
             origin = f"the gradients reduced into rank {by_shard[0]}'s shard were not finite"
+        else:  # the losses were not given to engine.backward, and the shards are finite
+            origin = "the global gradient norm was not finite"
         message = f"step {step}: the gradients hold inf or nan ({origin})"
         if self.config.action == "raise":
-            raise NonFiniteGradientError(f"{message}; nonfinite_gradients.action is raise")
+            return NonFiniteGradientError(f"{message}; nonfinite_gradients.action is raise")
         if self.consecutive >= self.config.max_consecutive_skips:
-            raise NonFiniteGradientError(
+            return NonFiniteGradientError(
                 f"{message}; {self.consecutive} steps in a row were skipped "
                 f"(nonfinite_gradients.max_consecutive_skips={self.config.max_consecutive_skips})"
             )
@@ -68,3 +79,4 @@ class NonFiniteGuard:
                 f"{message}: step skipped on every rank ({total_skipped} skipped so far, "
                 f"{self.consecutive} in a row)"
             )
+        return None

@@ -316,6 +316,11 @@ class ZeroOptimizer:
         replicated parameter is counted on one tensor rank, a split one on all (its pieces)."""
         norms = torch._foreach_norm(grads) if grads else [self._zero]
         squares = torch.stack([n.double() for n in norms]).pow(2)
+        if not bool(torch.isfinite(squares).all()):
+            # fp32 sums of squares overflow for finite gradients around 1e19: again in float64,
+            # so that only a real inf or nan reads as non-finite.
+            norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
+            squares = torch.stack(norms).pow(2)
         if not self._count_replicated:
             squares = squares * self._norm_weights
         return math.sqrt(self._agree(squares.sum().reshape(1), "sum")) / scale

@@ -57,6 +57,7 @@ class GradReducer:
         self.reducing = False  # whether the current backward reduces
         self._next_launch = 0  # buckets launch strictly in index order
         self.last_timing: BackwardTiming | None = None  # of the last reducing backward
+        self._got_grad = [False] * len(params)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(slot))
             for slot, p in enumerate(params)
@@ -70,6 +71,7 @@ class GradReducer:
 
     def begin_cycle(self) -> None:
         """Start an accumulation cycle: gradients from zero."""
+        self._got_grad = [False] * len(self.params)  # in this cycle, by slot
         self.storage.begin_cycle()
         for bucket in self.buckets:
             bucket.delivered = False
@@ -81,6 +83,7 @@ class GradReducer:
             bucket.reset()
 
     def _on_grad(self, slot: int, param: torch.Tensor) -> None:
+        self._got_grad[slot] = True
         grad = param.grad
         param.grad = None  # the storage holds it from here; autograd's tensor is freed
         bucket = self.buckets[self.layout.slots[slot].bucket]
@@ -125,16 +128,15 @@ class GradReducer:
         bucket.move(BucketState.REDUCED)
 
     def finish_backward(self) -> list[torch.nn.Parameter]:
-        """Wait for every reduction of this backward; returns the parameters that got no
-        gradient in it (they contributed zeros), when it reduced."""
+        """Wait for every reduction of this backward; when it reduced (the end of an
+        accumulation cycle), returns the parameters that got no gradient in the whole cycle
+        (they contributed zeros)."""
         if not self.reducing:
             return []
         compute_end = time.perf_counter()
         first_round = self._next_launch
-        unused = []
         for bucket in self.buckets[first_round:]:
             if bucket.state != BucketState.READY:
-                unused += [self.params[slot] for slot in sorted(bucket.pending)]
                 bucket.pending.clear()  # parameters without a gradient contribute zeros
                 bucket.move(BucketState.READY, "(flushed at the end of backward)")
         self._launch_ready()
@@ -149,7 +151,7 @@ class GradReducer:
         for bucket in late:
             self._finish(bucket)
         self.last_timing = BackwardTiming(compute_end, time.perf_counter() - compute_end)
-        return unused
+        return [p for p, got in zip(self.params, self._got_grad, strict=True) if not got]
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
