@@ -200,3 +200,13 @@ def test_overlap_choices_checked_before_training():
         load_config(base | {"tensor_parallel": {"overlap": "sometimes"}}, world_size=2)
     backward = load_config(base | {"tensor_parallel": {"tp_overlap_comm": True}}, world_size=1)
     assert backward.tensor_parallel.overlap_mode == "backward"
+
+
+def test_tp_model_init_reads_its_config():
+    """The Trainer passes its ds_config to tp_model_init too: a disagreement is named."""
+    from zerolap.runtime.initialize import tp_model_init
+
+    model = torch.nn.Linear(2, 2)
+    config = {"tensor_parallel": {"autotp_size": 4}}
+    with pytest.raises(ConfigError, match=r"tp_size=2\) but its config has .*autotp_size=4"):
+        tp_model_init(model, 2, torch.float32, config=config)

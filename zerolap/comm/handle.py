@@ -55,7 +55,7 @@ class Handle:
     def wait(self, timeout: timedelta | None = None) -> bool:
         if self._done:
             return True
-        began = time.perf_counter()
+        began = time.perf_counter() if self._record is not None else 0.0
         try:
             if isinstance(self._work, Future):
                 result = self._work.result(None if timeout is None else timeout.total_seconds())

@@ -23,7 +23,8 @@ _tp_model_init: tuple[int, torch.dtype, object] | None = None
 def tp_model_init(model, tp_size: int, dtype: torch.dtype, config=None, **kwargs):
     """DeepSpeed's AutoTP training entry point, which the Hugging Face Trainer calls before
     ``initialize`` when the ds_config has ``tensor_parallel.autotp_size`` > 1. As in DeepSpeed
-    0.19, it only records ``tp_size``, ``dtype`` and an optional ``tp_group=``: the model is
+    0.19, it only records ``tp_size``, ``dtype`` and an optional ``tp_group=`` (``config``, when
+    given, must agree with ``tp_size``): the model is
     split at ``initialize``, where the record fills ``tensor_parallel.autotp_size`` when the
     ds_config lacks it and is an error when it disagrees with the ds_config. Returns ``model``
     unchanged."""
@@ -33,6 +34,13 @@ def tp_model_init(model, tp_size: int, dtype: torch.dtype, config=None, **kwargs
         raise TypeError(f"tp_model_init() got unexpected keyword arguments {unknown}")
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise ValueError(f"tp_model_init(tp_size={tp_size!r}): a positive integer is needed")
+    if config is not None:  # read, not ignored: it must not disagree with tp_size
+        given = (read_config(config).get("tensor_parallel") or {}).get("autotp_size")
+        if given not in (None, tp_size):
+            raise ConfigError(
+                f"tp_model_init(tp_size={tp_size}) but its config has "
+                f"tensor_parallel.autotp_size={given}"
+            )
     _tp_model_init = (tp_size, dtype, kwargs.get("tp_group"))
     return model
 

@@ -314,16 +314,21 @@ class ZeroOptimizer:
     def _global_norm(self, grads: list[torch.Tensor], scale: float) -> float:
         """One fused pass over the runs; squares summed in float64 across runs and ranks. A
         replicated parameter is counted on one tensor rank, a split one on all (its pieces)."""
-        norms = torch._foreach_norm(grads) if grads else [self._zero]
-        squares = torch.stack([n.double() for n in norms]).pow(2)
-        if not bool(torch.isfinite(squares).all()):
+        total = self._agree(self._squares(grads, torch.float32), "sum")
+        if not math.isfinite(total):
             # fp32 sums of squares overflow for finite gradients around 1e19: again in float64,
-            # so that only a real inf or nan reads as non-finite.
-            norms = torch._foreach_norm(grads, 2, dtype=torch.float64)
-            squares = torch.stack(norms).pow(2)
+            # so that only a real inf or nan reads as non-finite. Every rank saw the same total,
+            # so every rank takes this second all-reduce; a normal step pays nothing for it.
+            total = self._agree(self._squares(grads, torch.float64), "sum")
+        return math.sqrt(total) / scale
+
+    def _squares(self, grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """This rank's weighted sum of squared run norms, computed in ``dtype``, as float64."""
+        norms = torch._foreach_norm(grads, 2, dtype=dtype) if grads else [self._zero]
+        squares = torch.stack([n.double() for n in norms]).pow(2)
         if not self._count_replicated:
             squares = squares * self._norm_weights
-        return math.sqrt(self._agree(squares.sum().reshape(1), "sum")) / scale
+        return squares.sum().reshape(1)
 
     def copy_master_to_params(self, only: set[int] | None = None) -> None:
         """Mixed precision: the owned 16-bit parameter elements (of runs ``only``, or all) :=
