@@ -386,6 +386,13 @@ def test_optimizer_state_dict_round_trip(ranks):
 # -- destroy and a second initialize ------------------------------------------------------------
 
 
+def _hooks_on(model: torch.nn.Module) -> int:
+    return sum(
+        len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks)
+        for m in model.modules()
+    ) + sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
+
+
 def check_destroy(stage: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
@@ -396,10 +403,7 @@ def check_destroy(stage: int) -> dict:
     engine.step()
     trained = _whole(model.parameters())
     engine.destroy()
-    hooks = sum(
-        len(m._forward_pre_hooks) + len(m._forward_hooks) + len(m._backward_hooks)
-        for m in model.modules()
-    ) + sum(len(getattr(p, "_post_accumulate_grad_hooks", None) or {}) for p in model.parameters())
+    hooks = _hooks_on(model)
     # The bare model trains as a plain one: every .grad filled by autograd.
     loss_fn(model(tokens[mine]), targets[mine]).backward()
     return {
@@ -416,6 +420,62 @@ def test_destroy_gives_the_model_back(ranks, stage):
     for result in ranks(2).run(check_destroy, stage, timeout=TIMEOUT):
         assert result["hooks"] == 0 and result["whole"] and result["grads"]
         assert result["values"] == 0.0 and result["dropped"]
+
+
+def check_dropped_engine(stage: int) -> dict:
+    """Engines dropped without destroy(), three times over one model: each dies with its
+    last reference (gc collects nothing: no cycle through the model's hooks keeps it), its
+    hooks come off, and the model trains on, bare or under a new engine."""
+    import gc
+    import weakref
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = slice(rank * MICRO, rank * MICRO + MICRO)
+    model = make_model()
+    warm_up, *_ = zerolap.initialize(model=make_model(), config=_config(stage))
+    warm_up.backward(loss_fn(warm_up(global_batch(0, MICRO)[0]), global_batch(0, MICRO)[1]))
+    warm_up.step()  # torch imports lazily; the frames of an import stay in cycles until gc
+    warm_up.destroy()
+    gc.collect()
+    gc.disable()  # a leak must show without the cycle collector's help
+    try:
+        alive = []
+        for step in range(3):
+            engine, *_ = zerolap.initialize(model=model, config=_config(stage))
+            tokens, targets = global_batch(step, MICRO * world)
+            engine.backward(loss_fn(engine(tokens[mine]), targets[mine]))
+            engine.step()
+            # (stage 3's parameter store holds the model's shards: it lives on with them)
+            parts = [engine, engine.optimizer, engine.reducer, engine.grads]
+            refs = [weakref.ref(part) for part in parts]
+            store = weakref.ref(engine.param_store)
+            del engine, parts, _
+            alive.append(sum(ref() is not None for ref in refs))
+    finally:
+        gc.enable()
+    result = {"alive": alive, "hooks": _hooks_on(model)}
+    if stage == 3:
+        # Left sharded, as zero.Init leaves a model; GatheredParameters reads it.
+        result["sharded"] = all(p.numel() == 0 for p in model.parameters())
+    trained = _whole(model.parameters())
+    if stage == 3:
+        engine, *_ = zerolap.initialize(model=model, config=_config(stage, optimizer=False))
+        engine.destroy()  # gathers the model whole again
+        del engine, _
+    result["store"] = store() is not None
+    tokens, targets = global_batch(3, MICRO * world)
+    loss_fn(model(tokens[mine]), targets[mine]).backward()
+    result["grads"] = all(p.grad is not None for p in model.parameters())
+    result["values"] = _max_diff([p.detach() for p in model.parameters()], trained)
+    return result
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_an_engine_dropped_without_destroy_lets_go_of_the_model(ranks, stage):
+    for result in ranks(2).run(check_dropped_engine, stage, timeout=TIMEOUT):
+        assert result["alive"] == [0, 0, 0]
+        assert result["hooks"] == 0 and result["grads"] and result["values"] == 0.0
+        assert result.get("sharded", True) and not result["store"]
 
 
 def check_second_initialize() -> dict:

@@ -18,6 +18,13 @@ computes (torch kernels and gloo release the GIL). A synchronous call runs on th
 when the worker has nothing queued (a thread hop costs latency on a small machine) and queues
 behind the worker's ops otherwise: either way every ring op on a group keeps one order on all
 ranks.
+
+A failure must not spread as wrong data. Each op's messages carry a tag of their own (the op's
+number on its group, the same on every rank), so a message of one op is never taken by
+another's receive: with one shared tag, a rank whose op failed half-way would go on to the next
+queued op and send its chunks to a neighbour still waiting in the failed one, which gloo
+answers by aborting the process. And after a failure the group's channel refuses every later
+ring op, naming the first failure, instead of sending anything more.
 """
 
 from __future__ import annotations
@@ -36,8 +43,14 @@ from zerolap.comm.reduce_ops import ReduceOp, check_avg_dtype, combine_into, par
 
 __all__ = ["ring_all_gather", "ring_all_reduce", "ring_reduce_scatter"]
 
-# Point-to-point tag for ring traffic, apart from tag 0 that user sends default to.
-RING_TAG = 0x5A10
+# Point-to-point tags of ring traffic: RING_TAG + the op's number modulo RING_TAGS, far from
+# tag 0 that user sends default to. Ops more than RING_TAGS apart cannot be in flight together.
+RING_TAG = 0x5A100000
+RING_TAGS = 1 << 16
+
+
+class RingFailed(RuntimeError):
+    """A ring op on this group failed earlier; the group's ring traffic is out of step."""
 
 
 class _Channel:
@@ -49,6 +62,14 @@ class _Channel:
         self.queued = 0
         self.lock = threading.Lock()
         self._scratch: dict[tuple, torch.Tensor] = {}
+        self.ops = 0  # ring ops issued on the group: the next one's number
+        self.failure: str | None = None  # the first failed op's error, once one failed
+
+    def next_tag(self) -> int:
+        """The tag of a new op's messages (called in issue order, on the caller's thread)."""
+        tag = RING_TAG + self.ops % RING_TAGS
+        self.ops += 1
+        return tag
 
     def scratch(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         key = (like.dtype, like.device)
@@ -88,9 +109,10 @@ def _channel(group: torch_dist.ProcessGroup | None) -> _Channel:
 class _Ring:
     """One rank's view of the ring: neighbours, chunk bounds, and a bytes-sent counter."""
 
-    def __init__(self, tensor: torch.Tensor, info: GroupInfo, channel: _Channel) -> None:
+    def __init__(self, tensor: torch.Tensor, info: GroupInfo, channel: _Channel, tag: int) -> None:
         self.flat = tensor.view(-1)
         self.channel = channel
+        self.tag = tag
         self.info = info
         self.n = info.size
         self.r = info.rank
@@ -108,12 +130,17 @@ class _Ring:
         group = self.info.group
         works = []
         if send.numel():
-            works.append(torch_dist.isend(send, self.right, group=group, tag=RING_TAG))
+            work = torch_dist.isend(send, self.right, group=group, tag=self.tag)
+            works.append((work, f"sending to rank {self.right}", self.right))
             self.sent_bytes += send.numel() * send.element_size()
         if recv.numel():
-            works.append(torch_dist.irecv(recv, self.left, group=group, tag=RING_TAG))
-        for work in works:
-            work.wait()
+            work = torch_dist.irecv(recv, self.left, group=group, tag=self.tag)
+            works.append((work, f"receiving from rank {self.left}", self.left))
+        for work, what, peer in works:
+            try:
+                work.wait()
+            except RuntimeError as err:
+                raise RuntimeError(f"{what}: {err}{_peer_gone(str(err), peer)}") from err
 
     def reduce_scatter(self, op) -> torch.Tensor:
         largest = max(end - start for start, end in self.bounds)
@@ -133,18 +160,33 @@ class _Ring:
             self.exchange(self.chunk(self.r - s), self.chunk(self.r - s - 1))
 
 
+def _peer_gone(message: str, peer: int) -> str:
+    """What a lost connection says about the peer: gloo names only its address."""
+    if "closed by peer" in message or "reset by peer" in message:
+        return f" (rank {peer} closed the connection: it exited or died)"
+    return ""
+
+
 def _run(name: str, tensor: torch.Tensor, group, async_op: bool, body):
     info = check_group(name, group)
     check_tensor(name, "tensor", tensor, info)
     channel = _channel(group)
-    ring = _Ring(tensor, info, channel)
+    ring = _Ring(tensor, info, channel, channel.next_tag())
     record = None
     if COMMS_LOGGER.enabled:
         nbytes = tensor.numel() * tensor.element_size()
         record = COMMS_LOGGER.start(name, nbytes, 0, info.size, tensor.device)
 
     def work():
-        value = body(ring)
+        if channel.failure is not None:
+            raise RingFailed(
+                f"not started: an earlier ring op on this group failed: {channel.failure}"
+            )
+        try:
+            value = body(ring)
+        except Exception as err:
+            channel.failure = channel.failure or f"{name}: {err}"
+            raise
         if record is not None:
             record.wire_bytes = ring.sent_bytes
         return value

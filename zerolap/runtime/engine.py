@@ -32,6 +32,7 @@ from zerolap.runtime.inputs import check_same_inputs
 from zerolap.runtime.loss_scaler import build_loss_scaler
 from zerolap.runtime.memory import MemoryBreakdown, measure_memory
 from zerolap.runtime.nonfinite import NonFiniteGuard
+from zerolap.runtime.release import Attachments, take_over
 from zerolap.runtime.throughput import ThroughputTimer
 from zerolap.runtime.timers import WallClockBreakdown
 from zerolap.topology import Mesh, build_mesh
@@ -56,15 +57,14 @@ __all__ = ["DeepSpeedEngine", "ZerolapEngine"]
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def _take_over(module: torch.nn.Module) -> None:
-    """A model still wrapped by a live engine (initialize called again on it: an RLHF trainer
-    wraps its policy once for inference, then for training) is first given back by that
-    engine, whose hooks would otherwise take its gradients and parameters."""
-    ref = getattr(module, "_zerolap_engine", None)
-    previous = ref() if ref is not None else None
-    if previous is not None and previous.module is module and not previous.destroyed:
-        logger.info("initialize(): the model was wrapped by another engine; destroying that one")
-        previous.destroy()
+class _PhaseRecorders(list):
+    """The engine's phase recorders, called as one. Parts that report phases (the fetcher)
+    get this list, not a bound method of the engine: the model reaches those parts through
+    its hooks, and must not keep a dropped engine alive."""
+
+    def __call__(self, phase: str, start: float, end: float, compute: bool = True) -> None:
+        for recorder in self:
+            recorder.record(phase, start, end, compute)
 
 
 def trainable_params(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -119,7 +119,7 @@ class ZerolapEngine(torch.nn.Module):
         mesh: Mesh | None = None,
     ) -> None:
         super().__init__()
-        _take_over(module)
+        take_over(module)
         self.module = module
         # Which ranks form which groups (zerolap.topology): ZeRO works over the data-parallel
         # group; tensor parallelism's pieces agree over the tensor group. DeepSpeed's clients
@@ -173,6 +173,9 @@ class ZerolapEngine(torch.nn.Module):
         self._build_buffers()
         self._broadcast_initial_state()
         self.reducer = self.grads = self.optimizer = self.lr_scheduler = None
+        # Who hears about phases (forward, backward, waits, optimizer): wall_clock_breakdown's
+        # timers, profilers. Empty costs one loop over nothing per phase.
+        self._phase_recorders = _PhaseRecorders()
         if trains:
             self._build_reducer()
         self.fetcher = self._build_fetcher() if self.plan.shard_params else None
@@ -200,10 +203,19 @@ class ZerolapEngine(torch.nn.Module):
         self._torch_backward_start = 0.0
         self._loss_scaled = False  # engine.scale() applied the loss scale to the next backward
         self._cycle_fresh = True  # the next backward starts a new accumulation cycle
-        # Who hears about phases (forward, backward, waits, optimizer): wall_clock_breakdown's
-        # timers, profilers. Empty costs one loop over nothing per phase.
-        self._phase_recorders: list = []
         module._zerolap_engine = weakref.ref(self)
+        # Dropped without destroy(), the engine's hooks come off the model (runtime.release).
+        self._attachments = Attachments(
+            module,
+            self.params,
+            self._param_access,
+            self.optimizer,
+            self.reducer,
+            self.fetcher,
+            self.param_store,
+        )
+        self._release_on_drop = weakref.finalize(self, self._attachments.release, gather=False)
+        self._release_on_drop.atexit = False  # at exit the model goes too: nothing to give back
         self.tput_timer = ThroughputTimer(
             config.timers.throughput,
             batch_size=config.train_batch_size,
@@ -346,7 +358,7 @@ class ZerolapEngine(torch.nn.Module):
             prefetch_numel=zero.prefetch_bucket_size,
             max_live_numel=zero.max_live_parameters,
             max_reuse_distance=zero.max_reuse_distance,
-            record=self._record,
+            record=self._phase_recorders,
         )
 
     def _build_reducer(self) -> None:
@@ -419,10 +431,6 @@ class ZerolapEngine(torch.nn.Module):
     def remove_phase_recorder(self, recorder) -> None:
         self._phase_recorders.remove(recorder)
 
-    def _record(self, phase: str, start: float, end: float, compute: bool = True) -> None:
-        for recorder in self._phase_recorders:
-            recorder.record(phase, start, end, compute)
-
     def _require_optimizer(self, what: str) -> None:
         if self.optimizer is None:
             raise RuntimeError(
@@ -442,7 +450,7 @@ class ZerolapEngine(torch.nn.Module):
         out = self.module(*inputs, **kwargs)
         if self.optimizer is not None and torch.is_grad_enabled():
             out = _through_entry(self, out)
-        self._record("forward", start, time.perf_counter())
+        self._phase_recorders("forward", start, time.perf_counter())
         return out
 
     def _entry_factor(self) -> float:
@@ -500,8 +508,8 @@ class ZerolapEngine(torch.nn.Module):
         unused = self.reducer.finish_backward()
         if self.fetcher is not None:
             self.fetcher.finish_backward()
-        self._record("backward", start, autograd_end)
-        self._record("backward_wait", autograd_end, time.perf_counter(), compute=False)
+        self._phase_recorders("backward", start, autograd_end)
+        self._phase_recorders("backward_wait", autograd_end, time.perf_counter(), compute=False)
         self._expose_grads()
         self._backward_kind = None
         self._loss_scaled = False
@@ -595,9 +603,9 @@ class ZerolapEngine(torch.nn.Module):
             if applied:
                 self.optimizer.publish()
             end = time.perf_counter()
-            self._record("optimizer", start, updated)
-            self._record("allgather_wait", updated, end, compute=False)
-            self._record("step_end", end, end)
+            self._phase_recorders("optimizer", start, updated)
+            self._phase_recorders("allgather_wait", updated, end, compute=False)
+            self._phase_recorders("step_end", end, end)
             if not applied:
                 self.skipped_steps += 1
                 if not self.loss_scaler.dynamic:
@@ -663,26 +671,15 @@ class ZerolapEngine(torch.nn.Module):
     def destroy(self) -> None:
         """Give the model back as it was before ``initialize``: every hook removed, stage-3
         parameters whole again, and the engine's buffers, gradients and optimizer state
-        dropped. A collective under stage 3 (parameters are gathered): call on every rank."""
-        if self._param_access is not None:
-            self._param_access.detach(self.params)
-        if self.optimizer is not None:
-            self.optimizer.close()  # swap files removed
-        if self.reducer is not None:
-            self.reducer.remove_hooks()
-        if self.fetcher is not None:
-            self.fetcher.remove_hooks()
-            self.fetcher.unwatch()
-            self.param_store.unshard_all()
-        elif self.param_store is not None:
-            self.param_store.detach_params()
-        for param in self.module.parameters():
-            param.grad = None
+        dropped. A collective under stage 3 (parameters are gathered): call on every rank.
+        An engine dropped without it takes its hooks off but leaves stage-3 parameters
+        sharded (``runtime.release``)."""
+        self._release_on_drop.detach()
+        self._attachments.release(gather=True)
         self.reducer = self.grads = self.optimizer = self.lr_scheduler = None
         self.fetcher = self.param_store = self._param_access = None
         self.params = []
-        self._phase_recorders = []
-        self.module.__dict__.pop("_zerolap_engine", None)
+        self._phase_recorders.clear()
         self.destroyed = True
 
     def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None) -> None:

@@ -15,15 +15,16 @@ Per module that needs units (``zero.units``):
 Prefetch keeps at most ``stage3_prefetch_bucket_size`` elements gathered ahead of use (or one
 unit, if that is larger) and never lets more than ``stage3_max_live_parameters`` elements be
 gathered at once. Every rank issues the same gathers in the same order because they all see
-the same fetches and the same record; the record itself is checked to be identical on all ranks
-once, after the first step.
+the same fetches and the same record. The first step, which makes the record, is where ranks
+could differ (a module run on some ranks only): there every fetch is first agreed across the
+ranks (one small all-gather of the unit's index), so that a difference is named at the fetch
+where it happens instead of pairing one rank's gather with another's.
 """
 
 from __future__ import annotations
 
 import math
 import time
-import zlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -77,7 +78,6 @@ class ParamFetcher:
         self.trace = FetchTrace(store.numel)
         self.stats = FetchStats()
         self._prefetched: dict[int, None] = {}  # launched ahead, not yet used (ordered)
-        self._checked = False
         # Gradients expected per unit in a backward (frozen units expect none).
         self._slots = [
             sum(store.params[slot].requires_grad for slot in b.slots) for b in store.layout.buckets
@@ -144,26 +144,32 @@ class ParamFetcher:
     def begin_step(self) -> None:
         """Called by ``engine.forward``: closes the previous step's record and starts the
         prefetch of this one."""
-        recorded = self.trace.begin_step()
-        if recorded and not self._checked:
-            self._check_same_order()
-            self._checked = True
+        self.trace.begin_step()
         self.store.release_all()  # what a forward-only step left gathered, now stale or unused
         self._prefetched.clear()
         self.running.clear()  # a forward that raised left its modules here
         self._prefetch()
 
-    def _check_same_order(self) -> None:
-        if dist.get_world_size(self.store.group) == 1:
+    def _agree(self, unit: int) -> None:
+        """While the first step is recorded: every rank must be fetching the same unit now."""
+        group = self.store.group
+        world = dist.get_world_size(group)
+        if world == 1:
             return
-        digest = zlib.crc32(repr(self.trace.recorded).encode()) & 0x7FFFFFFF
-        both = torch.tensor([digest, -digest], dtype=torch.int64, device=self.store.device)
-        dist.all_reduce(both, op="max", group=self.store.group)
-        if both[0].item() != digest or -both[1].item() != digest:
+        mine = torch.tensor([unit], dtype=torch.int64, device=self.store.device)
+        units = torch.empty(world, dtype=torch.int64, device=self.store.device)
+        dist.all_gather_into_tensor(units, mine, group=group)
+        units = units.tolist()
+        if len(set(units)) > 1:
+            ranks = dist.get_all_ranks_from_group(group)
+            needs = ", ".join(
+                f"rank {r} '{self.names[u]}'" for r, u in zip(ranks, units, strict=True)
+            )
             raise RuntimeError(
-                f"ZeRO stage 3: rank {dist.get_rank()} ran its modules in a different order "
-                "from another rank in the first step; every rank must run the same modules in "
-                "the same order, or their parameter gathers cannot match"
+                f"ZeRO stage 3: the ranks ran different modules in the first step: at its fetch "
+                f"#{self.trace.position}, {needs}. Every rank must run the same modules in the "
+                "same order (a module used on some ranks only cannot have its parameters "
+                "gathered)"
             )
 
     def finish_backward(self) -> None:
@@ -211,6 +217,8 @@ class ParamFetcher:
         for unit in units:
             if not self.trace.observe(unit):
                 self._warn_off_trace(unit)
+            if self.trace.recorded is None:
+                self._agree(unit)
             self.stats.fetches += 1
             if unit in self._prefetched:
                 self.stats.prefetched += 1

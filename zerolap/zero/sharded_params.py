@@ -279,6 +279,14 @@ class ShardedParams:
         for unit in range(len(self.full)):
             self.release(unit)
 
+    def release_orphaned(self) -> None:
+        """The engine was dropped without ``destroy()`` (``runtime.release``): no module's
+        hook will drop its holds, so every unit not pinned by an open ``GatheredParameters``
+        goes back to its shard, and the pooled buffers are freed. Nothing is communicated."""
+        self.holds = [0] * len(self.holds)
+        self.release_all()
+        self.drop_buffers()
+
     def drop_buffers(self) -> None:
         """Free the pooled memory of released units (the next gathers allocate afresh)."""
         self._pool.clear()
