@@ -3,15 +3,18 @@ false`` (DeepSpeed's meaning: an unused parameter is an error), a module that ta
 the forward fails the backward on every rank, naming its parameters, at every stage; by default
 (true) the run trains on. And
 ``step()`` with no ``backward()`` since the last step is an error that leaves the parameters
-alone."""
+alone. ``save_checkpoint`` on one rank only fails on every rank within seconds."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
 import zerolap
 import zerolap.comm as dist
+from tests.multiproc import run_on_ranks
 from tests.zero.models import global_batch, loss_fn, make_model
 
 MICRO = 2
@@ -133,3 +136,33 @@ def test_unused_is_judged_over_the_accumulation_cycle(ranks, stage):
     for used_in in (0, 1):
         result = ranks(2).run(used_in_one_micro_batch_of_the_cycle, stage, used_in)
         assert result == ["trained"] * 2
+
+
+def save_on_one_rank(path: str) -> str:
+    """Rank 0 saves while rank 1 trains on: both fail within seconds (the watchdog sees each
+    blocked where the other can never come), instead of waiting out the timeout."""
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "zero_optimization": {"stage": 2},
+    }
+    engine, *_ = zerolap.initialize(model=make_model(), config=config)
+    tokens, targets = global_batch(0, MICRO)
+    engine.backward(loss_fn(engine(tokens), targets))
+    engine.step()
+    start = time.monotonic()
+    with pytest.raises((dist.CheckInError, dist.CommError)) as error:
+        if dist.get_rank() == 0:
+            engine.save_checkpoint(path)
+        else:
+            engine.backward(loss_fn(engine(tokens), targets))
+    assert time.monotonic() - start < 10  # the process group's timeout in tests is 45 s
+    return str(error.value)
+
+
+def test_save_checkpoint_on_one_rank_fails_fast(tmp_path):
+    env = {"ZEROLAP_WATCHDOG_INTERVAL": "0.5"}
+    saver, trainer = run_on_ranks(save_on_one_rank, 2, str(tmp_path), env=env, timeout=60)
+    assert "save_checkpoint must be called on every rank of [0, 1]: rank 1 waits in" in saver
+    assert "rank 0 is in save_checkpoint, which every rank of [0, 1] must call" in trainer
+    assert not any(tmp_path.iterdir())  # nothing written

@@ -192,6 +192,7 @@ def _optimizer_groups(engine) -> list[dict]:
 def save_checkpoint(
     engine, save_dir, tag=None, client_state=None, *, save_latest=True, exclude_frozen=False
 ) -> str:
+    dist.check_in("save_checkpoint")  # one rank alone fails fast instead of hanging
     save_dir = Path(save_dir)
     tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
     staged = partial_dir(save_dir, tag)
@@ -461,6 +462,7 @@ def load_checkpoint(
     load_module_only=False,
     custom_load_fn=None,
 ):
+    dist.check_in("load_checkpoint")
     load_dir = Path(load_dir)
     if tag is None:
         tag = find_latest(load_dir)

@@ -5,7 +5,7 @@ accepts ``async_op=True`` where DeepSpeed does (returning a ``Handle`` whose ``w
 it) and passes through the comms logger, whose records also feed the overlap profiler.
 """
 
-from zerolap.comm.barriers import barrier, monitored_barrier
+from zerolap.comm.barriers import barrier, check_in, monitored_barrier
 from zerolap.comm.checks import buffer_device
 from zerolap.comm.coalesced import (
     all_gather_coalesced,
@@ -58,9 +58,11 @@ from zerolap.comm.logger import (
 from zerolap.comm.objects import all_gather_object, broadcast_object_list, gather_object
 from zerolap.comm.reduce_ops import ReduceOp
 from zerolap.comm.ring import ring_all_gather, ring_all_reduce, ring_reduce_scatter
+from zerolap.comm.watchdog import CheckInError
 
 __all__ = [
     "COMMS_LOGGER",
+    "CheckInError",
     "CommError",
     "Handle",
     "ReduceOp",
@@ -77,6 +79,7 @@ __all__ = [
     "broadcast",
     "broadcast_object_list",
     "buffer_device",
+    "check_in",
     "configure",
     "destroy_process_group",
     "gather",

@@ -1,7 +1,8 @@
-"""Barriers: ``barrier`` and ``monitored_barrier``.
+"""Barriers: ``barrier``, ``monitored_barrier`` and ``check_in``.
 
 They move no data, so their log records carry 0 bytes; they are logged all the same, because the
-time a rank spends in one is time it waits for its slowest peer.
+time a rank spends in one is time it waits for its slowest peer. ``check_in`` meets in the
+rendezvous store instead of the process group, so a rank that never comes costs no mismatch.
 """
 
 from __future__ import annotations
@@ -11,13 +12,14 @@ from datetime import timedelta
 
 import torch.distributed as torch_dist
 
+from zerolap.comm import watchdog
 from zerolap.comm.checks import check_group
 from zerolap.comm.collectives import Group, launch
 from zerolap.comm.groups import as_timedelta
 from zerolap.comm.handle import CommError, Handle
 from zerolap.comm.logger import logged
 
-__all__ = ["barrier", "monitored_barrier"]
+__all__ = ["barrier", "check_in", "monitored_barrier"]
 
 
 def barrier(group: Group = None, async_op: bool = False, device_ids: Sequence[int] | None = None):
@@ -55,9 +57,19 @@ def monitored_barrier(
     with logged(op, info.size, info.device()):
         if info.backend != "gloo":
             work = torch_dist.barrier(group, async_op=True)
-            Handle(work, lambda: info.describe(op)).wait(timeout)
+            Handle(work, op, info).wait(timeout)
             return
         try:
             torch_dist.monitored_barrier(group, timeout=timeout, wait_all_ranks=wait_all_ranks)
         except RuntimeError as err:
             raise CommError(f"{info.describe(op)} failed: {err}") from err
+
+
+def check_in(name: str, group: Group = None) -> None:
+    """The start of a call that every rank of ``group`` must make (``save_checkpoint``): returns
+    once all have made it, and raises ``CheckInError`` as soon as one of them is seen waiting in
+    a collective instead (``zerolap.comm.watchdog``), so that neither side waits out the
+    timeout. Nothing moves through the process group; without the watchdog, nothing is
+    checked."""
+    info = check_group("check_in", group)
+    watchdog.check_in(name, info.ranks)

@@ -12,6 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as torch_dist
 
+from zerolap.comm import watchdog
 from zerolap.comm.env import discover_launch_env
 from zerolap.utils.logging import logger
 
@@ -73,6 +74,9 @@ def init_distributed(
     )
     _local_rank = launch.local_rank
     if torch_dist.is_initialized():
+        watchdog.start(
+            torch_dist.get_rank(), torch_dist.get_world_size(), DEFAULT_TIMEOUT.total_seconds()
+        )
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
@@ -92,6 +96,7 @@ def init_distributed(
             world_size=launch.world_size,
             timeout=timeout,
         )
+    watchdog.start(launch.rank, launch.world_size, timeout.total_seconds())
     if verbose and launch.rank == 0:
         logger.info(
             f"zerolap.comm: {launch.world_size} rank(s) on {backend} "
@@ -188,5 +193,7 @@ def destroy_process_group(group: torch_dist.ProcessGroup | None = None) -> None:
     from zerolap.comm.checks import forget_groups
 
     forget_groups()
+    if group is None:
+        watchdog.stop()
     if torch_dist.is_initialized():
         torch_dist.destroy_process_group(group)

@@ -12,12 +12,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as torch_dist
 
+from zerolap.comm.checks import GroupInfo
 from zerolap.comm.logger import COMMS_LOGGER, CommRecord
+from zerolap.comm.watchdog import SliceTimeout
+from zerolap.comm.watchdog import current as current_watchdog
 
 __all__ = ["CommError", "Handle"]
 
@@ -27,25 +31,30 @@ class CommError(RuntimeError):
 
 
 class Handle:
-    __slots__ = ("_done", "_finalize", "_record", "_work", "describe", "value")
+    __slots__ = ("_done", "_finalize", "_info", "_op", "_record", "_work", "value")
 
     def __init__(
         self,
         work: torch_dist.Work | Future,
-        describe: Callable[[], str],
+        op: str,
+        info: GroupInfo,
         *,
         value: Any = None,
         finalize: Callable[[], None] | None = None,
         record: CommRecord | None = None,
     ) -> None:
         self._work = work
+        self._op, self._info = op, info
         self._finalize = finalize
         self._record = record
         self._done = False
-        self.describe = describe  # "rank 0 ... all_reduce on ranks [0, 1] (gloo)", built lazily
         self.value = value  # the op's output (a tensor or list), valid after wait()
         if record is not None:
             _close_on_completion(work, record)
+
+    def describe(self) -> str:
+        """ "rank 0 waited for all_reduce on group ranks [0, 1] (gloo) and it": for errors."""
+        return self._info.describe(self._op)
 
     def is_completed(self) -> bool:
         if isinstance(self._work, Future):
@@ -56,16 +65,20 @@ class Handle:
         if self._done:
             return True
         began = time.perf_counter() if self._record is not None else 0.0
+        watchdog = current_watchdog()
         try:
-            if isinstance(self._work, Future):
-                result = self._work.result(None if timeout is None else timeout.total_seconds())
-                self.value = result if self.value is None else self.value
+            if timeout is None and watchdog is not None and self._info.backend != "nccl":
+                watchdog.wait(self._op, self._info.ranks, self._wait_slice)
+            elif isinstance(self._work, Future):
+                self._work.result(None if timeout is None else timeout.total_seconds())
             elif timeout is None:
                 self._work.wait()
             else:
                 self._work.wait(timeout)
         except Exception as err:
             raise CommError(f"{self.describe()} failed: {err}") from err
+        if isinstance(self._work, Future) and self.value is None:
+            self.value = self._work.result()
         self._done = True
         if self._finalize is not None:
             self._finalize()
@@ -74,6 +87,22 @@ class Handle:
             # Usually closed already by the completion callback; finish() is idempotent.
             COMMS_LOGGER.finish(self._record)
         return True
+
+    def _wait_slice(self, seconds: float) -> None:
+        """Wait at most ``seconds``; ``SliceTimeout`` if the op is still running then (gloo's
+        timed wait leaves the op running and can be waited on again)."""
+        if isinstance(self._work, Future):
+            try:
+                self._work.result(seconds)
+            except FutureTimeout:
+                raise SliceTimeout from None
+            return
+        try:
+            self._work.wait(timedelta(seconds=seconds))
+        except RuntimeError as err:
+            if "Operation timed out!" in str(err):
+                raise SliceTimeout from None
+            raise
 
     def get_future(self):
         return self._work if isinstance(self._work, Future) else self._work.get_future()

@@ -41,7 +41,7 @@ def _decode(payload: torch.Tensor) -> Any:
 
 
 def _wait(op: str, info: GroupInfo, work: torch_dist.Work) -> None:
-    Handle(work, lambda: info.describe(op)).wait()
+    Handle(work, op, info).wait()
 
 
 def _device(info: GroupInfo, device: torch.device | str | None) -> torch.device:

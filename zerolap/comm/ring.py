@@ -199,7 +199,7 @@ def _run(name: str, tensor: torch.Tensor, group, async_op: bool, body):
             future.set_exception(err)
     else:
         future = channel.submit(work)
-    handle = Handle(future, lambda: info.describe(name), record=record)
+    handle = Handle(future, name, info, record=record)
     if async_op:
         return handle  # its value (the result) is set by wait()
     handle.wait()
