@@ -534,3 +534,55 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_keeps_the_last_one(
         assert f"bad.partial writing {shard}: about " in message
         assert leftovers == ["good", "latest"]  # no partial folder, the good one published
         assert same
+
+
+def load_during_a_resave(path: str) -> dict:
+    """Another job re-saves tag ``t`` (publishes it) while this load is between the model file
+    and the shards. The load reads a whole save, the new one, instead of mixing the two."""
+    import shutil
+
+    from zerolap.checkpoint import files
+
+    root = Path(path)
+    engine = _engine(2)
+    _train(engine, 0, 1)
+    engine.save_checkpoint(root, tag="t")  # save A
+    shutil.copytree(root / "t", root / "a")
+    _train(engine, 1, 1)
+    engine.save_checkpoint(root, tag="t")  # save B: staged again below, A put back
+    expected = {"step": engine.global_steps, "params": _params(engine)}
+    os.replace(root / "t", root / "t.partial")
+    os.replace(root / "a", root / "t")
+    read = files.read
+    resaved = []
+
+    def read_then_resave(file, *, what):
+        out = read(file, what=what)
+        if not resaved and file.name == MODEL_FILE:
+            files.publish(root, "t", save_latest=True)  # B replaces A mid-load
+            resaved.append(True)
+        return out
+
+    files.read = read_then_resave
+    try:
+        fresh = _engine(2)
+        with captured_logs() as logs:
+            fresh.load_checkpoint(root)
+    finally:
+        files.read = read
+    return {
+        "resaved": resaved,
+        "logs": logs,
+        "step": fresh.global_steps,
+        "same": all(
+            torch.equal(a, b) for a, b in zip(_params(fresh), expected["params"], strict=True)
+        ),
+        "expected_step": expected["step"],
+    }
+
+
+def test_a_load_during_a_resave_reads_one_whole_save(ranks, tmp_path):
+    result = ranks(1).run(load_during_a_resave, str(tmp_path))[0]
+    assert result["resaved"] and result["same"]
+    assert result["step"] == result["expected_step"] == 2
+    assert any("was re-saved while it was read; reading the new save" in m for m in result["logs"])

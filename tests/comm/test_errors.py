@@ -138,3 +138,68 @@ def op_before_init():
 
 def test_op_before_init_distributed_says_to_call_it():
     run_on_ranks(op_before_init, 1, init=False, timeout=60)
+
+
+# -- debug mode: every collective's call compared across the group --------------------------------
+
+
+def mismatched_calls() -> list[str]:
+    """Each case would return a wrong result or abort in C++ without the debug mode; with it,
+    every rank raises naming what each rank called, and the group still works after."""
+    rank = dist.get_rank()
+    cases = [
+        lambda: dist.all_reduce(torch.ones(4), op="sum" if rank == 0 else "max"),
+        lambda: dist.broadcast(torch.zeros(4 if rank == 0 else 6), src=0),
+        lambda: dist.all_reduce(torch.ones(4, dtype=torch.float32 if rank == 0 else torch.int64)),
+        lambda: dist.all_reduce(torch.ones(4)) if rank == 0 else dist.broadcast(torch.ones(4), 0),
+        lambda: dist.broadcast_object_list([1], src=0) if rank == 0 else dist.barrier(),
+        lambda: (
+            dist.ring_all_reduce(torch.ones(8))
+            if rank == 0
+            else dist.ring_all_gather(torch.ones(8))
+        ),
+    ]
+    messages = []
+    for case in cases:
+        try:
+            case()
+        except dist.CollectiveMismatch as err:
+            messages.append(str(err))
+        else:
+            messages.append("no error")
+        _group_still_works()
+    return messages
+
+
+def test_debug_mode_names_mismatched_collectives():
+    first, second = run_on_ranks(
+        mismatched_calls, 2, env={"ZEROLAP_DEBUG_COLLECTIVES": "1"}, timeout=60
+    )
+    assert first == second
+    head = "collective mismatch on group ranks [0, 1]: "
+    assert first == [
+        head
+        + "rank 0 calls all_reduce(sum) of 4 float32; rank 1 calls all_reduce(max) of 4 float32",
+        head + "rank 0 calls broadcast rooted at group rank 0 of 4 float32; "
+        "rank 1 calls broadcast rooted at group rank 0 of 6 float32",
+        head + "rank 0 calls all_reduce(sum) of 4 float32; rank 1 calls all_reduce(sum) of 4 int64",
+        head + "rank 0 calls all_reduce(sum) of 4 float32; "
+        "rank 1 calls broadcast rooted at group rank 0 of 4 float32",
+        head + "rank 0 calls broadcast_object_list rooted at group rank 0; rank 1 calls barrier",
+        head + "rank 0 calls ring_all_reduce(sum) of 8 float32; rank 1 calls ring_all_gather of 8 "
+        "float32",
+    ]
+
+
+def matching_calls() -> list[float]:
+    out = torch.full((4,), float(dist.get_rank() + 1))
+    dist.all_reduce(out, op="max")
+    dist.broadcast(out, src=1)
+    objects = [None, None]
+    dist.all_gather_object(objects, dist.get_rank())
+    return [out[0].item(), *objects]
+
+
+def test_debug_mode_lets_matching_collectives_through():
+    env = {"ZEROLAP_DEBUG_COLLECTIVES": "1"}
+    assert run_on_ranks(matching_calls, 2, env=env, timeout=60) == [[2.0, 0, 1]] * 2

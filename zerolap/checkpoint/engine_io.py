@@ -40,7 +40,9 @@ from zerolap.checkpoint.files import (
     partial_dir,
     publish,
     read_checkpoint,
+    saved_identity,
     tag_folder,
+    tag_identity,
     try_write,
     verify,
     write_checksums,
@@ -301,20 +303,51 @@ def _finish_files(staged: Path, save: dict, model_states: dict, digests: list) -
     return None
 
 
-def _verify_together(folder: Path) -> None:
-    """The ranks split hashing the checkpoint's files and agree on the verdict, so that every
-    rank raises the same error (and none goes on to a collective alone)."""
+# A load retries this many times when the checkpoint was re-saved while it read.
+READ_ATTEMPTS = 3
+
+
+def _read_whole(engine, load_dir: Path, tag) -> tuple[Path, dict, list[dict]]:
+    """The checkpoint's folder, model states and shards, all of one save, on every rank.
+
+    The ranks split hashing the files and agree on one verdict, so that every rank raises the
+    same error (and none goes on to a collective alone). Another job re-saving the tag (or
+    moving ``latest``) while this one reads can replace the folder between two files: the
+    files then disagree with one another or with ``checksums.json``, or the ranks read
+    different saves. When the save a rank sees has changed since it began, the ranks read
+    again the save now published (a save is visible only whole); when it has not, the
+    disagreement is damage, and an error."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        verify(folder, share=(rank, world))
-        problem = None
-    except CheckpointError as err:
-        problem = str(err)
-    problems: list = [None] * world
-    dist.all_gather_object(problems, problem)
-    found = [p for p in problems if p is not None]
-    if found:
-        raise CheckpointError(found[0])
+    for attempt in range(READ_ATTEMPTS):
+        name = str(tag) if tag is not None else find_latest(load_dir)
+        folder = saved = shards = problem = began = None
+        try:
+            folder = tag_folder(load_dir, str(name), who=f"rank {rank}: ")
+            began = saved_identity(folder)
+            verify(folder, share=(rank, world))
+            saved, shards = read_checkpoint(folder, _client_groups(engine), hashed=True)
+        except CheckpointError as err:
+            problem = str(err)
+        latest = find_latest(load_dir) if tag is None else name
+        moved = latest != name or tag_identity(load_dir, str(latest)) != began
+        views: list = [None] * world
+        dist.all_gather_object(views, (problem, moved, began))
+        if any(view[1] for view in views) or len({repr(view[2]) for view in views}) > 1:
+            if attempt + 1 < READ_ATTEMPTS:
+                logger.warning(
+                    f"rank {rank}: checkpoint {name!r} in {load_dir} was re-saved while it was "
+                    "read; reading the new save"
+                )
+                continue
+            raise CheckpointError(
+                f"checkpoint {name!r} in {load_dir} was re-saved during each of "
+                f"{READ_ATTEMPTS} attempts to read it"
+            )
+        found = [view[0] for view in views if view[0] is not None]
+        if found:
+            raise CheckpointError(found[0])
+        return folder, saved, shards
+    raise AssertionError("unreachable")
 
 
 def _saved_shapes(saved: dict) -> dict[str, tuple[int, ...]]:
@@ -464,14 +497,10 @@ def load_checkpoint(
 ):
     dist.check_in("load_checkpoint")
     load_dir = Path(load_dir)
-    if tag is None:
-        tag = find_latest(load_dir)
-        if tag is None:
-            logger.warning(f"nothing loaded: {no_latest(load_dir)}")
-            return None, None
-    folder = tag_folder(load_dir, str(tag), who=f"rank {dist.get_rank()}: ")
-    _verify_together(folder)
-    saved, shards = read_checkpoint(folder, _client_groups(engine), hashed=True)
+    if tag is None and find_latest(load_dir) is None:
+        logger.warning(f"nothing loaded: {no_latest(load_dir)}")
+        return None, None
+    folder, saved, shards = _read_whole(engine, load_dir, tag)
     _check_same_model(engine, saved, folder, load_module_strict)
     index = SegmentIndex(shards)
     params = SavedParams(saved, index)

@@ -16,7 +16,8 @@ Every file records the save it belongs to (tag, step and a save id all ranks sha
 ``checksums.json`` the BLAKE2b digest of each file's bytes. A load checks both before it
 trusts anything: a file whose bytes changed after the save, or one left over from another save,
 is an error naming it. (Checkpoints without ``checksums.json``, written by DeepSpeed or an
-earlier zerolap, load unchecked.)
+earlier zerolap, load unchecked.) A load overtaken by a re-save of its tag reads again
+(``checkpoint.engine_io``): ``tag_identity`` tells it that the save changed under it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ __all__ = [
     "read",
     "read_checkpoint",
     "read_latest",
+    "saved_identity",
     "tag_folder",
+    "tag_identity",
     "try_write",
     "verify",
     "write",
@@ -151,6 +154,16 @@ def _recorded(folder: Path) -> tuple[dict, dict] | None:
         raise CheckpointError(f"{path} is damaged: {err}") from None
 
 
+def saved_identity(folder: Path) -> dict | None:
+    """The identity (tag, step, save id) of the save in ``folder`` as ``checksums.json``
+    records it; None without one (or with no folder: a re-save is moving it)."""
+    try:
+        recorded = _recorded(folder)
+    except (CheckpointError, OSError):
+        return None
+    return None if recorded is None else recorded[0]
+
+
 def verify(folder: Path, share: tuple[int, int] = (0, 1)) -> dict | None:
     """Check the files ``checksums.json`` lists against their digests, those of ``share``
     ``(index, count)`` only (the ranks of a load split the hashing: file i is rank i mod
@@ -205,21 +218,36 @@ def publish(save_dir: Path, tag: str, *, save_latest: bool) -> None:
         _write_text(save_dir / LATEST, tag)
 
 
-def tag_folder(load_dir: Path, tag: str, *, who: str = "") -> Path:
-    """The folder holding checkpoint ``tag``. A re-save of a tag moves the old folder aside
-    (``<tag>.old``) and then moves the new one in: killed between the two, the tag's folder is
-    missing and the aside one is the last complete save, which is what loads (with a warning)."""
+def _find_tag(load_dir: Path, tag: str) -> Path | None:
+    """``<tag>``, else ``<tag>.old`` when it holds a save, else None."""
     folder = load_dir / tag
     if folder.is_dir():
         return folder
     aside = load_dir / f"{tag}.old"
     if aside.is_dir() and (aside / MODEL_FILE).is_file():
+        return aside
+    return None
+
+
+def tag_folder(load_dir: Path, tag: str, *, who: str = "") -> Path:
+    """The folder holding checkpoint ``tag``. A re-save of a tag moves the old folder aside
+    (``<tag>.old``) and then moves the new one in: killed between the two, the tag's folder is
+    missing and the aside one is the last complete save, which is what loads (with a warning)."""
+    folder = _find_tag(load_dir, tag)
+    if folder is None:
+        raise CheckpointError(f"{who}tag {tag!r} not found in {load_dir}")
+    if folder.name != tag:
         logger.warning(
             f"{who}checkpoint {tag!r}: its re-save was interrupted before publication; "
-            f"loading the previous complete save, {aside}"
+            f"loading the previous complete save, {folder}"
         )
-        return aside
-    raise CheckpointError(f"{who}tag {tag!r} not found in {load_dir}")
+    return folder
+
+
+def tag_identity(load_dir: Path, tag: str) -> dict | None:
+    """The identity of the save ``tag`` names now (``saved_identity`` of its folder)."""
+    folder = _find_tag(load_dir, tag)
+    return None if folder is None else saved_identity(folder)
 
 
 def find_latest(load_dir: Path) -> str | None:

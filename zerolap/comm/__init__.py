@@ -30,6 +30,7 @@ from zerolap.comm.collectives import (
     reduce_scatter_tensor,
     send,
 )
+from zerolap.comm.debug import CollectiveMismatch
 from zerolap.comm.exchange import all_to_all, all_to_all_single, gather, scatter
 from zerolap.comm.groups import (
     destroy_process_group,
@@ -63,6 +64,7 @@ from zerolap.comm.watchdog import CheckInError
 __all__ = [
     "COMMS_LOGGER",
     "CheckInError",
+    "CollectiveMismatch",
     "CommError",
     "Handle",
     "ReduceOp",

@@ -17,12 +17,12 @@ import torch.distributed as torch_dist
 from zerolap.comm.checks import GroupInfo, check_group, check_list, check_same_dtype, check_tensor
 from zerolap.comm.collectives import (
     Group,
-    all_gather_flat,
     all_gather_into_tensor,
     all_reduce,
     launch,
     reduce_scatter_tensor,
 )
+from zerolap.comm.flat_ops import all_gather_flat
 from zerolap.comm.groups import require_initialized
 from zerolap.comm.reduce_ops import (
     ReduceOp,
@@ -83,6 +83,7 @@ def all_reduce_coalesced(
         lambda: torch_dist.all_reduce(flat, native, group=group, async_op=True),
         async_op,
         finalize=unpack,
+        reduce_op=op,
     )
 
 

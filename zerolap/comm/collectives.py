@@ -28,6 +28,8 @@ from zerolap.comm.checks import (
     check_tensor,
     check_tensor_list,
 )
+from zerolap.comm.debug import agree
+from zerolap.comm.flat_ops import all_gather_flat, reduce_scatter_flat
 from zerolap.comm.handle import Handle
 from zerolap.comm.logger import COMMS_LOGGER
 from zerolap.comm.reduce_ops import (
@@ -55,15 +57,6 @@ __all__ = [
 
 Group = torch_dist.ProcessGroup | None
 
-# torch 2.13 renamed the flat-tensor collectives (the old names warn); older releases have only
-# the old names.
-all_gather_flat = getattr(torch_dist, "all_gather_single", None) or (
-    torch_dist.all_gather_into_tensor
-)
-reduce_scatter_flat = getattr(torch_dist, "reduce_scatter_single", None) or (
-    torch_dist.reduce_scatter_tensor
-)
-
 
 def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
@@ -82,13 +75,20 @@ def launch(
     value: object = None,
     finalize: Callable[[], None] | None = None,
     log_name: str | None = None,
+    reduce_op=None,
+    sized: bool = True,
+    pairwise: bool = False,
 ) -> Handle | object:
     """Open ``op``'s log record, call ``start`` (which launches the backend op asynchronously)
     and wrap its work in a ``Handle``; wait here unless ``async_op``. The record's message is
     ``message``'s bytes unless ``message_bytes`` is given (0 with no message, as for a barrier),
     its wire bytes ``ring_wire_bytes`` of that unless ``wire_bytes`` is given; the record is
     named ``log_name`` when given (DeepSpeed's way of telling one caller's ops apart). Shared by
-    every op module of ``zerolap.comm``."""
+    every op module of ``zerolap.comm``. In debug mode a collective's call (``reduce_op``,
+    ``root``, and ``message``'s size unless not ``sized`` and dtype) is first compared across
+    the group (``zerolap.comm.debug``); a ``pairwise`` op (send, receive) is not."""
+    if not pairwise:
+        agree(op, info, message, reduce_op=reduce_op, root=root, sized=sized)
     record = None
     if COMMS_LOGGER.enabled:
         size = message_bytes
@@ -135,6 +135,7 @@ def all_reduce(
         async_op,
         finalize=_divider(tensor, op, info),
         log_name=log_name,
+        reduce_op=op,
     )
 
 
@@ -171,6 +172,7 @@ def reduce(tensor: torch.Tensor, dst: int, op=ReduceOp.SUM, group: Group = None,
         async_op,
         root=info.ranks.index(dst),
         finalize=_divider(tensor, op, info) if is_dst else None,
+        reduce_op=op,
     )
 
 
@@ -249,6 +251,7 @@ def reduce_scatter(
         async_op,
         message_bytes=nbytes(output) * info.size,
         finalize=_divider(output, op, info),
+        reduce_op=op,
     )
 
 
@@ -271,6 +274,7 @@ def reduce_scatter_tensor(
         lambda: reduce_scatter_flat(output, input, native, group, async_op=True),
         async_op,
         finalize=_divider(output, op, info),
+        reduce_op=op,
     )
 
 
@@ -279,7 +283,12 @@ def isend(tensor: torch.Tensor, dst: int, group: Group = None, tag: int = 0) -> 
     check_tensor("isend", "tensor", tensor, info)
     check_peer("isend", "dst", dst, info, allow_self=False)
     return launch(  # type: ignore[return-value]
-        "isend", info, tensor, lambda: torch_dist.isend(tensor, dst, group=group, tag=tag), True
+        "isend",
+        info,
+        tensor,
+        lambda: torch_dist.isend(tensor, dst, group=group, tag=tag),
+        True,
+        pairwise=True,
     )
 
 
@@ -288,7 +297,12 @@ def irecv(tensor: torch.Tensor, src: int, group: Group = None, tag: int = 0) -> 
     check_tensor("irecv", "tensor", tensor, info)
     check_peer("irecv", "src", src, info, allow_self=False)
     return launch(  # type: ignore[return-value]
-        "irecv", info, tensor, lambda: torch_dist.irecv(tensor, src, group=group, tag=tag), True
+        "irecv",
+        info,
+        tensor,
+        lambda: torch_dist.irecv(tensor, src, group=group, tag=tag),
+        True,
+        pairwise=True,
     )
 
 
@@ -309,5 +323,5 @@ def recv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag:
         works.append(torch_dist.irecv(tensor, None, group=group, tag=tag))  # from any source
         return works[0]
 
-    launch("irecv", info, tensor, start, True).wait()
+    launch("irecv", info, tensor, start, True, pairwise=True).wait()
     return works[0]._source_rank()

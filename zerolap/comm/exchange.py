@@ -131,6 +131,7 @@ def all_to_all_single(
         ),
         async_op,
         wire_bytes=row_bytes * (in_rows - sends[info.rank]),
+        sized=False,  # each rank sends what it has
     )
 
 
@@ -176,4 +177,5 @@ def all_to_all(
         async_op,
         wire_bytes=nbytes(packed_in) - nbytes(input_tensor_list[info.rank]),
         finalize=unpack,
+        sized=False,
     )

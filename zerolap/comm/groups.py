@@ -12,7 +12,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as torch_dist
 
-from zerolap.comm import watchdog
+from zerolap.comm import debug, watchdog
 from zerolap.comm.env import discover_launch_env
 from zerolap.utils.logging import logger
 
@@ -73,6 +73,7 @@ def init_distributed(
         environ, rank=rank, world_size=world_size, distributed_port=distributed_port
     )
     _local_rank = launch.local_rank
+    debug.configure_from_env()
     if torch_dist.is_initialized():
         watchdog.start(
             torch_dist.get_rank(), torch_dist.get_world_size(), DEFAULT_TIMEOUT.total_seconds()

@@ -14,14 +14,16 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as torch_dist
 
-from zerolap.comm.checks import GroupInfo
 from zerolap.comm.logger import COMMS_LOGGER, CommRecord
 from zerolap.comm.watchdog import SliceTimeout
 from zerolap.comm.watchdog import current as current_watchdog
+
+if TYPE_CHECKING:
+    from zerolap.comm.checks import GroupInfo
 
 __all__ = ["CommError", "Handle"]
 

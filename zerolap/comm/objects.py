@@ -23,7 +23,9 @@ import torch
 import torch.distributed as torch_dist
 
 from zerolap.comm.checks import GroupInfo, check_group, check_list, check_peer, check_root_list
-from zerolap.comm.collectives import Group, all_gather_flat
+from zerolap.comm.collectives import Group
+from zerolap.comm.debug import agree
+from zerolap.comm.flat_ops import all_gather_flat
 from zerolap.comm.handle import Handle
 from zerolap.comm.logger import logged
 from zerolap.comm.volume import ring_wire_bytes
@@ -77,6 +79,7 @@ def broadcast_object_list(
     info = check_group(op, group)
     check_list(op, "object_list", object_list, filled=True)
     check_peer(op, "src", src, info)
+    agree(op, info, None, root=info.ranks.index(src))
     dev = _device(info, device)
     is_src = torch_dist.get_rank() == src
     payload = _encode(list(object_list), dev) if is_src else None
@@ -111,6 +114,7 @@ def all_gather_object(object_list: list[Any], obj: Any, group: Group = None) -> 
     op = "all_gather_object"
     info = check_group(op, group)
     check_list(op, "object_list", object_list, info.size, filled=True)
+    agree(op, info, None)
     payload = _encode(obj, info.device())
     with logged(op, info.size, payload.device) as record:
         sizes = _gather_sizes(op, info, payload)
@@ -138,6 +142,7 @@ def gather_object(
     is_dst = check_root_list(op, "object_gather_list", object_gather_list, "dst", dst, info)
     if is_dst:
         check_list(op, "object_gather_list", object_gather_list, info.size, filled=True)
+    agree(op, info, None, root=info.ranks.index(dst))
     payload = _encode(obj, info.device())
     with logged(op, info.size, payload.device) as record:
         # Every rank learns the longest piece so that all send equal, padded pieces.

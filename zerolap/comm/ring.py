@@ -37,6 +37,7 @@ import torch.distributed as torch_dist
 
 from zerolap.comm.checks import GroupInfo, check_group, check_tensor
 from zerolap.comm.chunking import even_chunks
+from zerolap.comm.debug import agree
 from zerolap.comm.handle import Handle
 from zerolap.comm.logger import COMMS_LOGGER
 from zerolap.comm.reduce_ops import ReduceOp, check_avg_dtype, combine_into, parse_reduce_op
@@ -167,9 +168,10 @@ def _peer_gone(message: str, peer: int) -> str:
     return ""
 
 
-def _run(name: str, tensor: torch.Tensor, group, async_op: bool, body):
+def _run(name: str, tensor: torch.Tensor, group, async_op: bool, body, reduce_op=None):
     info = check_group(name, group)
     check_tensor(name, "tensor", tensor, info)
+    agree(name, info, tensor, reduce_op=reduce_op)
     channel = _channel(group)
     ring = _Ring(tensor, info, channel, channel.next_tag())
     record = None
@@ -212,7 +214,12 @@ def ring_reduce_scatter(tensor: torch.Tensor, op="sum", group=None, async_op: bo
     op = parse_reduce_op(op)
     check_avg_dtype(op, tensor, "tensor")
     return _run(
-        "ring_reduce_scatter", tensor, group, async_op, lambda ring: ring.reduce_scatter(op)
+        "ring_reduce_scatter",
+        tensor,
+        group,
+        async_op,
+        lambda ring: ring.reduce_scatter(op),
+        reduce_op=op,
     )
 
 
@@ -234,4 +241,4 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool =
         ring.all_gather()
         return tensor
 
-    return _run("ring_all_reduce", tensor, group, async_op, both)
+    return _run("ring_all_reduce", tensor, group, async_op, both, reduce_op=op)
