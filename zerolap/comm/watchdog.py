@@ -202,27 +202,41 @@ class Watchdog:
 
     # -- waiting --------------------------------------------------------------------------------
 
+    def _watch(
+        self, blocked: _Blocked, done: Callable[[], bool], refuse: Callable[[int, dict], str]
+    ) -> None:
+        """Call ``done`` (which blocks at most one interval) until it is true; in between,
+        read the group's heartbeats: a peer blocked in the other kind of wait raises
+        ``CheckInError(refuse(its rank, its wait))``, and every ``report_after`` seconds the
+        absent peers are reported."""
+        reported = 0.0
+        while not done():
+            states = self._read(blocked.ranks)
+            if (other := self._other_kind(blocked, states)) is not None:
+                raise CheckInError(refuse(*other))
+            if time.monotonic() - blocked.since >= reported + self.report_after:
+                reported += self.report_after
+                self._report(blocked, states)
+
     def wait(self, op: str, ranks: list[int], wait_slice: Callable[[float], None]) -> None:
         """Block until ``wait_slice`` returns, calling it with one interval at a time (it raises
         ``SliceTimeout`` when the slice ends first)."""
+
+        def done() -> bool:
+            try:
+                wait_slice(self.interval)
+            except SliceTimeout:
+                return False
+            return True
+
+        def refuse(rank: int, theirs: dict) -> str:
+            return (
+                f"rank {rank} is in {theirs['op']}, which every rank of {ranks} must call, "
+                f"while rank {self.rank} waits in {op}: call {theirs['op']} on every rank"
+            )
+
         with self._blocked_in(COLLECTIVE, op, ranks) as blocked:
-            reported = 0.0
-            while True:
-                try:
-                    wait_slice(self.interval)
-                    return
-                except SliceTimeout:
-                    pass
-                states = self._read(ranks)
-                if (other := self._other_kind(blocked, states)) is not None:
-                    rank, theirs = other
-                    raise CheckInError(
-                        f"rank {rank} is in {theirs['op']}, which every rank of {ranks} must call, "
-                        f"while rank {self.rank} waits in {op}: call {theirs['op']} on every rank"
-                    )
-                if time.monotonic() - blocked.since >= reported + self.report_after:
-                    reported += self.report_after
-                    self._report(blocked, states)
+            self._watch(blocked, done, refuse)
 
     def _poll(self, key: str, seconds: float) -> bool:
         """Whether ``key`` appears within ``seconds`` (polled: the store's own timed wait logs
@@ -240,34 +254,30 @@ class Watchdog:
         """Return once every rank of ``ranks`` has called ``check_in(name)`` as often as this one;
         raise ``CheckInError`` as soon as one of them is seen blocked in a collective instead,
         or after the process group's timeout."""
-        timeout = self.timeout
         count = self._check_ins.get((name, *ranks), 0)
         self._check_ins[(name, *ranks)] = count + 1
         key = f"zerolap/check_in/{name}/{'-'.join(map(str, ranks))}/{count}"
         if self.store.add(key, 1) == len(ranks):
             self.store.set(f"{key}/all", "1")
+
+        def done() -> bool:
+            waited = time.monotonic() - blocked.since
+            if waited > self.timeout:
+                raise CheckInError(
+                    f"{name} must be called on every rank of {ranks}: rank {self.rank} waited "
+                    f"{waited:.0f} s for the others"
+                )
+            return self._poll(f"{key}/all", min(self.interval, self.timeout))
+
+        def refuse(rank: int, theirs: dict) -> str:
+            return (
+                f"{name} must be called on every rank of {ranks}: rank {rank} waits in "
+                f"{theirs['op']} instead of calling it"
+            )
+
         with self._blocked_in(CHECK_IN, name, ranks) as blocked:
             self._publish()  # seen at once, not an interval later
-            reported = 0.0
-            while True:
-                waited = time.monotonic() - blocked.since
-                if waited > timeout:
-                    raise CheckInError(
-                        f"{name} must be called on every rank of {ranks}: rank {self.rank} waited "
-                        f"{waited:.0f} s for the others"
-                    )
-                if self._poll(f"{key}/all", min(self.interval, timeout)):
-                    return
-                states = self._read(ranks)
-                if (other := self._other_kind(blocked, states)) is not None:
-                    rank, theirs = other
-                    raise CheckInError(
-                        f"{name} must be called on every rank of {ranks}: rank {rank} waits in "
-                        f"{theirs['op']} instead of calling it"
-                    )
-                if waited >= reported + self.report_after:
-                    reported += self.report_after
-                    self._report(blocked, states)
+            self._watch(blocked, done, refuse)
 
 
 _watchdog: Watchdog | None = None
