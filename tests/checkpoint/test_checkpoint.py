@@ -537,28 +537,33 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_keeps_the_last_one(
 
 
 def load_during_a_resave(path: str) -> dict:
-    """Another job re-saves tag ``t`` (publishes it) while this load is between the model file
-    and the shards. The load reads a whole save, the new one, instead of mixing the two."""
+    """Another job re-saves tag ``t`` (publishes it) while rank 0's load is between the model
+    file and the shards; rank 1 reads the old save, the new one, or both. Every rank ends with
+    the whole new save, instead of a mix."""
     import shutil
 
     from zerolap.checkpoint import files
 
     root = Path(path)
+    rank = dist.get_rank()
     engine = _engine(2)
     _train(engine, 0, 1)
     engine.save_checkpoint(root, tag="t")  # save A
-    shutil.copytree(root / "t", root / "a")
+    if rank == 0:
+        shutil.copytree(root / "t", root / "a")
     _train(engine, 1, 1)
     engine.save_checkpoint(root, tag="t")  # save B: staged again below, A put back
     expected = {"step": engine.global_steps, "params": _params(engine)}
-    os.replace(root / "t", root / "t.partial")
-    os.replace(root / "a", root / "t")
+    if rank == 0:
+        os.replace(root / "t", root / "t.partial")
+        os.replace(root / "a", root / "t")
+    dist.barrier()
     read = files.read
     resaved = []
 
     def read_then_resave(file, *, what):
         out = read(file, what=what)
-        if not resaved and file.name == MODEL_FILE:
+        if rank == 0 and not resaved and file.name == MODEL_FILE:
             files.publish(root, "t", save_latest=True)  # B replaces A mid-load
             resaved.append(True)
         return out
@@ -582,7 +587,8 @@ def load_during_a_resave(path: str) -> dict:
 
 
 def test_a_load_during_a_resave_reads_one_whole_save(ranks, tmp_path):
-    result = ranks(1).run(load_during_a_resave, str(tmp_path))[0]
-    assert result["resaved"] and result["same"]
-    assert result["step"] == result["expected_step"] == 2
-    assert any("was re-saved while it was read; reading the new save" in m for m in result["logs"])
+    first, second = ranks(2).run(load_during_a_resave, str(tmp_path))
+    assert first["resaved"]
+    for result in (first, second):
+        assert result["same"] and result["step"] == result["expected_step"] == 2
+        assert any("re-saved while it was read; reading the new save" in m for m in result["logs"])

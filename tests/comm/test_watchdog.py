@@ -59,11 +59,11 @@ def test_a_stopped_rank_is_named_long_before_the_timeout():
 
 
 def busy_rank_is_named() -> list[str]:
-    """Rank 1 computes for 3 s before joining: rank 0's report says it is alive and in no
+    """Rank 1 computes for 5 s before joining: rank 0's report says it is alive and in no
     collective."""
     with captured_logs() as logs:
         if dist.get_rank() == 1:
-            time.sleep(3)
+            time.sleep(5)  # the report is due after 2 s
         dist.barrier()
     return logs
 
@@ -83,6 +83,7 @@ def check_in_on_one_rank() -> str:
         else:
             dist.all_reduce(torch.ones(2))
     assert time.monotonic() - start < 10
+    time.sleep(3)  # the other side may still be reading rank 0's store to reach its verdict
     return str(error.value)
 
 

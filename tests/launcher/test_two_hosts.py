@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,7 @@ def _run(prefix: list[str], env: dict, flags: list[str], script_args: list[str])
     return subprocess.Popen(
         [*prefix, sys.executable, "-m", "zerolap.cli", "run", *flags, str(SCRIPT), *script_args],
         env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,  # its ranks too are killed at the deadline
     )  # fmt: skip
 
 
@@ -84,14 +86,25 @@ def two_hosts(hosts, out: Path, stage: int, kill: int = -1) -> list[tuple[int, s
         )
         for node, (namespace, _, interface) in enumerate(hosts)
     ]
-    return [(p.wait(TIMEOUT), p.stdout.read()) for p in launchers]
+    return [_finish(launcher) for launcher in launchers]
+
+
+def _finish(launcher: subprocess.Popen) -> tuple[int, str]:
+    """Exit code and output, read as it comes (a full pipe would stall the launcher); killed
+    at the deadline."""
+    try:
+        output, _ = launcher.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(launcher.pid, signal.SIGKILL)
+        output, _ = launcher.communicate()
+    return launcher.returncode, output
 
 
 def one_host(out: Path, stage: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     flags = ["-n", "4", "--master-port", str(free_port())]
     launcher = _run([], _env(None), flags, ["--stage", str(stage), "--out", str(out)])
-    code, output = launcher.wait(TIMEOUT), launcher.stdout.read()
+    code, output = _finish(launcher)
     assert code == 0, output[-3000:]
 
 

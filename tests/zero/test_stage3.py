@@ -467,8 +467,10 @@ def check_different_modules_in_the_first_step(case: str) -> str:
     model = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 8), "b": torch.nn.Linear(8, 8)})
     if case == "order":
         order = ["a", "b"] if dist.get_rank() == 0 else ["b", "a"]
-    else:
+    elif case == "one rank only":
         order = ["a"] if dist.get_rank() == 0 else ["b", "a"]
+    else:  # one more at the end, on rank 1: met by rank 0's end of the step
+        order = ["a"] if dist.get_rank() == 0 else ["a", "b"]
 
     def run(x):
         for name in order:
@@ -477,16 +479,25 @@ def check_different_modules_in_the_first_step(case: str) -> str:
 
     model.forward = run
     engine, *_ = zerolap.initialize(model=model, config=config())
-    with pytest.raises(RuntimeError, match="ran different modules in the first step") as error:
+    different = pytest.raises(RuntimeError, match="ran different modules in the first step")
+    with different as error, torch.no_grad():
         engine(torch.randn(4, 8))
+        engine(torch.randn(4, 8))  # the first step, forward only, ends here
     dist.barrier()  # the group is still usable
     return str(error.value)
 
 
-@pytest.mark.parametrize("case", ["order", "one rank only"])
-def test_different_modules_across_ranks_raise_at_the_first_fetch(ranks, case):
+@pytest.mark.parametrize(
+    ("case", "named"),
+    [
+        ("order", "fetch #0, rank 0 'a', rank 1 'b'"),
+        ("one rank only", "fetch #0, rank 0 'a', rank 1 'b'"),
+        ("one more", "fetch #1, rank 0 at the end of its step, rank 1 'b'"),
+    ],
+)
+def test_different_modules_across_ranks_raise_at_the_first_fetch(ranks, case, named):
     for message in ranks(2).run(check_different_modules_in_the_first_step, case, timeout=TIMEOUT):
-        assert "fetch #0, rank 0 'a', rank 1 'b'" in message, message
+        assert named in message, message
 
 
 # -- GatheredParameters --------------------------------------------------------------------

@@ -307,47 +307,59 @@ def _finish_files(staged: Path, save: dict, model_states: dict, digests: list) -
 READ_ATTEMPTS = 3
 
 
-def _read_whole(engine, load_dir: Path, tag) -> tuple[Path, dict, list[dict]]:
-    """The checkpoint's folder, model states and shards, all of one save, on every rank.
+def _read_whole(engine, load_dir: Path, tag) -> tuple[Path, dict, list[dict]] | None:
+    """The checkpoint's folder, model states and shards, all of one save, on every rank (None
+    on every rank when ``tag`` is None and ``load_dir`` names no checkpoint).
 
     The ranks split hashing the files and agree on one verdict, so that every rank raises the
     same error (and none goes on to a collective alone). Another job re-saving the tag (or
     moving ``latest``) while this one reads can replace the folder between two files: the
-    files then disagree with one another or with ``checksums.json``, or the ranks read
-    different saves. When the save a rank sees has changed since it began, the ranks read
-    again the save now published (a save is visible only whole); when it has not, the
-    disagreement is damage, and an error."""
+    files then disagree with one another or with ``checksums.json``. When the save a rank
+    sees has changed since it began, all ranks read again the save now published (a save is
+    visible only whole); when none has, a disagreement is damage, and an error."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    for attempt in range(READ_ATTEMPTS):
-        name = str(tag) if tag is not None else find_latest(load_dir)
-        folder = saved = shards = problem = began = None
+    for _ in range(READ_ATTEMPTS):
+        name = folder = saved = shards = problem = began = None
         try:
-            folder = tag_folder(load_dir, str(name), who=f"rank {rank}: ")
-            began = saved_identity(folder)
-            verify(folder, share=(rank, world))
-            saved, shards = read_checkpoint(folder, _client_groups(engine), hashed=True)
+            name = str(tag) if tag is not None else find_latest(load_dir)
+            if name is not None:
+                folder = tag_folder(load_dir, name, who=f"rank {rank}: ")
+                began = saved_identity(folder)
+                verify(folder, share=(rank, world))
+                saved, shards = read_checkpoint(folder, _client_groups(engine), hashed=True)
         except CheckpointError as err:
             problem = str(err)
-        latest = find_latest(load_dir) if tag is None else name
-        moved = latest != name or tag_identity(load_dir, str(latest)) != began
+        try:
+            now = find_latest(load_dir) if tag is None else name
+            moved = now != name or (now is not None and tag_identity(load_dir, now) != began)
+        except CheckpointError:  # ``latest`` being rewritten by a non-atomic writer
+            moved = True
         views: list = [None] * world
-        dist.all_gather_object(views, (problem, moved, began))
-        if any(view[1] for view in views) or len({repr(view[2]) for view in views}) > 1:
-            if attempt + 1 < READ_ATTEMPTS:
-                logger.warning(
-                    f"rank {rank}: checkpoint {name!r} in {load_dir} was re-saved while it was "
-                    "read; reading the new save"
-                )
-                continue
-            raise CheckpointError(
-                f"checkpoint {name!r} in {load_dir} was re-saved during each of "
-                f"{READ_ATTEMPTS} attempts to read it"
+        dist.all_gather_object(views, (name is None, problem, moved, began))
+        if all(view[0] for view in views):
+            return None
+        if any(view[2] for view in views):
+            logger.warning(
+                f"rank {rank}: checkpoint {name!r} in {load_dir} was re-saved while it was "
+                "read; reading the new save"
             )
-        found = [view[0] for view in views if view[0] is not None]
-        if found:
-            raise CheckpointError(found[0])
+            continue
+        for r, (nothing, problem, _, _) in enumerate(views):
+            if nothing:
+                raise CheckpointError(f"rank {r} finds no 'latest' file in {load_dir}")
+            if problem is not None:
+                raise CheckpointError(problem)
+        if len({repr(view[3]) for view in views}) > 1:
+            seen = "; ".join(f"rank {r}: {view[3]}" for r, view in enumerate(views))
+            raise CheckpointError(
+                f"the ranks found different saves of {name!r} in {load_dir} ({seen}): is it on "
+                "a filesystem every rank shares?"
+            )
         return folder, saved, shards
-    raise AssertionError("unreachable")
+    raise CheckpointError(
+        f"checkpoint {tag!r} in {load_dir} was re-saved during each of {READ_ATTEMPTS} attempts "
+        "to read it"
+    )
 
 
 def _saved_shapes(saved: dict) -> dict[str, tuple[int, ...]]:
@@ -497,10 +509,11 @@ def load_checkpoint(
 ):
     dist.check_in("load_checkpoint")
     load_dir = Path(load_dir)
-    if tag is None and find_latest(load_dir) is None:
+    found = _read_whole(engine, load_dir, tag)
+    if found is None:
         logger.warning(f"nothing loaded: {no_latest(load_dir)}")
         return None, None
-    folder, saved, shards = _read_whole(engine, load_dir, tag)
+    folder, saved, shards = found
     _check_same_model(engine, saved, folder, load_module_strict)
     index = SegmentIndex(shards)
     params = SavedParams(saved, index)

@@ -99,7 +99,9 @@ def launch(
             wire = ring_wire_bytes(op, size, info.size, group_rank=info.rank, root=root)
         device = info.device() if message is None else message.device
         record = COMMS_LOGGER.start(log_name or op, size, wire, info.size, device)
-    handle = Handle(start(), op, info, value=value, finalize=finalize, record=record)
+    handle = Handle(
+        start(), op, info, value=value, finalize=finalize, record=record, pairwise=pairwise
+    )
     if record is not None:
         record.launched = time.perf_counter()
     if async_op:

@@ -192,8 +192,10 @@ def new_group(ranks: list[int] | None = None, **kwargs) -> torch_dist.ProcessGro
 
 def destroy_process_group(group: torch_dist.ProcessGroup | None = None) -> None:
     from zerolap.comm.checks import forget_groups
+    from zerolap.comm.ring import forget_channels
 
     forget_groups()
+    forget_channels()
     if group is None:
         watchdog.stop()
     if torch_dist.is_initialized():

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch.distributed as torch_dist
 
 from zerolap.comm.logger import COMMS_LOGGER, CommRecord
-from zerolap.comm.watchdog import SliceTimeout
+from zerolap.comm.watchdog import SliceTimeout, issue
 from zerolap.comm.watchdog import current as current_watchdog
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ class CommError(RuntimeError):
 
 
 class Handle:
-    __slots__ = ("_done", "_finalize", "_info", "_op", "_record", "_work", "value")
+    __slots__ = ("_done", "_finalize", "_info", "_number", "_op", "_record", "_work", "value")
 
     def __init__(
         self,
@@ -44,9 +44,14 @@ class Handle:
         value: Any = None,
         finalize: Callable[[], None] | None = None,
         record: CommRecord | None = None,
+        pairwise: bool = False,
     ) -> None:
         self._work = work
         self._op, self._info = op, info
+        # The collective's number on its group (the watchdog tells ops apart by it); None for
+        # a send or receive, which pairs two ranks and is waited on whole: gloo answers a
+        # timed wait on one by breaking the group.
+        self._number = None if pairwise else issue(info.ranks)
         self._finalize = finalize
         self._record = record
         self._done = False
@@ -69,8 +74,13 @@ class Handle:
         began = time.perf_counter() if self._record is not None else 0.0
         watchdog = current_watchdog()
         try:
-            if timeout is None and watchdog is not None and self._info.backend != "nccl":
-                watchdog.wait(self._op, self._info.ranks, self._wait_slice)
+            if (
+                timeout is None
+                and watchdog is not None
+                and self._number is not None
+                and self._info.backend == "gloo"  # NCCL has its own watchdog
+            ):
+                watchdog.wait(self._op, self._info.ranks, self._number, self._wait_slice)
             elif isinstance(self._work, Future):
                 self._work.result(None if timeout is None else timeout.total_seconds())
             elif timeout is None:
@@ -91,12 +101,14 @@ class Handle:
         return True
 
     def _wait_slice(self, seconds: float) -> None:
-        """Wait at most ``seconds``; ``SliceTimeout`` if the op is still running then (gloo's
-        timed wait leaves the op running and can be waited on again)."""
+        """Wait at most ``seconds``; ``SliceTimeout`` if the op is still running then (a gloo
+        collective's timed wait leaves it running, to be waited on again)."""
         if isinstance(self._work, Future):
             try:
                 self._work.result(seconds)
             except FutureTimeout:
+                if self._work.done():  # the op itself raised TimeoutError
+                    raise
                 raise SliceTimeout from None
             return
         try:

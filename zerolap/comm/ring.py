@@ -99,6 +99,15 @@ _channels: dict[int, _Channel] = {}
 _channels_lock = threading.Lock()
 
 
+def forget_channels() -> None:
+    """The groups are gone (``destroy_process_group``): their channels, failures included,
+    must not pass to new groups that reuse an id."""
+    with _channels_lock:
+        for channel in _channels.values():
+            channel.executor.shutdown(wait=False)
+        _channels.clear()
+
+
 def _channel(group: torch_dist.ProcessGroup | None) -> _Channel:
     key = id(group)
     with _channels_lock:

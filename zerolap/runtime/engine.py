@@ -505,6 +505,8 @@ class ZerolapEngine(torch.nn.Module):
     def _close_backward(self, start: float) -> None:
         """What follows every backward's autograd: the one wait for the reductions."""
         autograd_end = time.perf_counter()
+        if self.fetcher is not None:
+            self.fetcher.end_first_step()  # before the reducer's last collectives
         unused = self.reducer.finish_backward()
         if self.fetcher is not None:
             self.fetcher.finish_backward()

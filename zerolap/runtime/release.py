@@ -55,6 +55,9 @@ class Attachments:
             self.param_store.fetcher = None
             self.param_store.after_write_back.clear()  # the optimizer's: it would outlive us
             if gather:
+                # Every unit back to its shard first, as a finalizer leaves them, so that
+                # ``unshard_all`` gathers the same units whichever way an engine went.
+                self.param_store.release_orphaned()
                 self.param_store.unshard_all()
             else:
                 # A gather still in flight is waited for; one that failed (a rank died) was
@@ -74,8 +77,9 @@ class Attachments:
 def take_over(module: torch.nn.Module) -> None:
     """Before ``initialize`` wraps ``module``: a live engine still wrapping it (an RLHF trainer
     wraps its policy once for inference, then for training) is destroyed, and parameters left
-    sharded by an engine dropped without ``destroy()`` are gathered whole. Both gather the
-    same units in the same order, so ranks that differ in which case they are in still match."""
+    sharded by an engine dropped without ``destroy()`` are gathered whole. Both release every
+    unit and then gather each, in order, so ranks that differ in which case they are in (a
+    reference to the old engine kept on one rank only) still issue the same gathers."""
     ref = getattr(module, "_zerolap_engine", None)
     previous = ref() if ref is not None else None
     if previous is not None and previous.module is module and not previous.destroyed:
@@ -84,7 +88,7 @@ def take_over(module: torch.nn.Module) -> None:
     stores = {}
     for param in module.parameters():
         owner = getattr(param, "ds_owner", None)
-        if isinstance(owner, ShardedParams):
+        if isinstance(owner, ShardedParams) and owner.fetcher is None:  # no engine drives it
             stores.setdefault(id(owner), owner)
     if stores:
         logger.info(

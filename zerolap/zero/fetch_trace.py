@@ -27,14 +27,12 @@ class FetchTrace:
         self._positions: dict[int, list[int]] = {}
         self._prefix: list[int] = [0]
 
-    def begin_step(self) -> bool:
-        """Close the step that ran; True when it produced a new record."""
-        changed = bool(self.current) and (self.recorded is None or not self.on_trace)
-        if changed:
+    def begin_step(self) -> None:
+        """Close the step that ran (its order becomes the record if it left the old one)."""
+        if self.current and (self.recorded is None or not self.on_trace):
             self._adopt(self.current)
         self.current = []
         self.on_trace = self.recorded is not None
-        return changed
 
     def _adopt(self, order: list[int]) -> None:
         self.recorded = list(order)

@@ -40,6 +40,8 @@ from zerolap.zero.status import ParamStatus
 
 __all__ = ["FetchStats", "ParamFetcher"]
 
+END_OF_STEP = -1  # what a rank agrees on when its first step has no fetch left
+
 
 @dataclass
 class FetchStats:
@@ -83,6 +85,9 @@ class ParamFetcher:
             sum(store.params[slot].requires_grad for slot in b.slots) for b in store.layout.buckets
         ]
         self._due = list(self._slots)  # gradients still to arrive per unit in this backward
+        # The first step (from the first engine.forward to its autograd's end) agrees every
+        # fetch across the ranks; fetches outside any step (the module called directly) do not.
+        self._first, self._agreeing = True, False
         self.module = module  # the root: DeepSpeed's offload object exposes it, TRL reads it
         self._units_of = {m: list(units) for m, units in fetch.items()}  # the lists hooks read
         # Every hook handle, in DeepSpeed's two lists: clients (TRL's generation) remove them
@@ -143,15 +148,24 @@ class ParamFetcher:
 
     def begin_step(self) -> None:
         """Called by ``engine.forward``: closes the previous step's record and starts the
-        prefetch of this one."""
+        prefetch of this one. The first step's fetches are agreed across the ranks."""
+        self.end_first_step()  # a first step that ran forward only ends here
+        self._agreeing, self._first = self._first, False
         self.trace.begin_step()
         self.store.release_all()  # what a forward-only step left gathered, now stale or unused
         self._prefetched.clear()
         self.running.clear()  # a forward that raised left its modules here
         self._prefetch()
 
+    def end_first_step(self) -> None:
+        """The first step's fetches are over (its autograd ended, or the next step began):
+        every rank must be at that point too, not fetching one more unit."""
+        if self._agreeing:
+            self._agreeing = False
+            self._agree(END_OF_STEP)
+
     def _agree(self, unit: int) -> None:
-        """While the first step is recorded: every rank must be fetching the same unit now."""
+        """In the first step: every rank must be fetching the same unit now."""
         group = self.store.group
         world = dist.get_world_size(group)
         if world == 1:
@@ -161,13 +175,16 @@ class ParamFetcher:
         dist.all_gather_into_tensor(units, mine, group=group)
         units = units.tolist()
         if len(set(units)) > 1:
+            # the same on every rank: each agreed as many fetches before this one
+            fetch = self.trace.position + (unit == END_OF_STEP)
             ranks = dist.get_all_ranks_from_group(group)
             needs = ", ".join(
-                f"rank {r} '{self.names[u]}'" for r, u in zip(ranks, units, strict=True)
+                f"rank {r} {'at the end of its step' if u == END_OF_STEP else repr(self.names[u])}"
+                for r, u in zip(ranks, units, strict=True)
             )
             raise RuntimeError(
                 f"ZeRO stage 3: the ranks ran different modules in the first step: at its fetch "
-                f"#{self.trace.position}, {needs}. Every rank must run the same modules in the "
+                f"#{fetch}, {needs}. Every rank must run the same modules in the "
                 "same order (a module used on some ranks only cannot have its parameters "
                 "gathered)"
             )
@@ -217,7 +234,7 @@ class ParamFetcher:
         for unit in units:
             if not self.trace.observe(unit):
                 self._warn_off_trace(unit)
-            if self.trace.recorded is None:
+            if self._agreeing:
                 self._agree(unit)
             self.stats.fetches += 1
             if unit in self._prefetched:
