@@ -80,7 +80,7 @@ class Handle:
                 and self._number is not None
                 and self._info.backend == "gloo"  # NCCL has its own watchdog
             ):
-                watchdog.wait(self._op, self._info.ranks, self._number, self._wait_slice)
+                self._watched_wait(watchdog)
             elif isinstance(self._work, Future):
                 self._work.result(None if timeout is None else timeout.total_seconds())
             elif timeout is None:
@@ -99,6 +99,15 @@ class Handle:
             # Usually closed already by the completion callback; finish() is idempotent.
             COMMS_LOGGER.finish(self._record)
         return True
+
+    def _watched_wait(self, watchdog) -> None:
+        """The first slice plainly (most ops end within it: nothing more to pay), the rest
+        under the watchdog's eye."""
+        since = time.monotonic()
+        try:
+            self._wait_slice(watchdog.interval)
+        except SliceTimeout:
+            watchdog.wait(self._op, self._info.ranks, self._number, self._wait_slice, since)
 
     def _wait_slice(self, seconds: float) -> None:
         """Wait at most ``seconds``; ``SliceTimeout`` if the op is still running then (a gloo

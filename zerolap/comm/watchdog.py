@@ -31,6 +31,7 @@ the group is out of step (a collective may still be in flight): end the job.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -112,7 +113,11 @@ class Watchdog:
         self._thread.start()
 
     def stop(self) -> None:
+        """End the beat thread, waiting for a heartbeat in flight: a thread still inside the
+        store when the process exits takes the process down with it."""
         self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.interval)
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -170,9 +175,15 @@ class Watchdog:
 
     @contextlib.contextmanager
     def _blocked_in(
-        self, kind: str, op: str, ranks: list[int], number: int, call: int = 0
+        self,
+        kind: str,
+        op: str,
+        ranks: list[int],
+        number: int,
+        call: int = 0,
+        since: float | None = None,
     ) -> Iterator[_Blocked]:
-        blocked = _Blocked(kind, op, ranks, number, call, time.monotonic())
+        blocked = _Blocked(kind, op, ranks, number, call, since or time.monotonic())
         thread = threading.get_ident()
         previous = self._blocked.get(thread)
         self._blocked[thread] = blocked
@@ -269,10 +280,16 @@ class Watchdog:
                 self._report(blocked, states)
 
     def wait(
-        self, op: str, ranks: list[int], number: int, wait_slice: Callable[[float], None]
+        self,
+        op: str,
+        ranks: list[int],
+        number: int,
+        wait_slice: Callable[[float], None],
+        since: float,
     ) -> None:
-        """Block until collective #``number`` of the group completes, calling ``wait_slice``
-        with one interval at a time (it raises ``SliceTimeout`` when the slice ends first)."""
+        """Block until collective #``number`` of the group, waited on since ``since``
+        (``time.monotonic()``), completes, calling ``wait_slice`` with one interval at a time
+        (it raises ``SliceTimeout`` when the slice ends first)."""
 
         def done() -> bool:
             try:
@@ -281,7 +298,7 @@ class Watchdog:
                 return False
             return True
 
-        with self._blocked_in(COLLECTIVE, op, ranks, number) as blocked:
+        with self._blocked_in(COLLECTIVE, op, ranks, number, since=since) as blocked:
             self._watch(blocked, done)
 
     def _poll(self, key: str, seconds: float) -> bool:
@@ -369,6 +386,7 @@ def start(rank: int, world_size: int, timeout: float) -> None:
         timeout=timeout,
     )
     _watchdog.start()
+    atexit.register(stop)
 
 
 def stop() -> None:
