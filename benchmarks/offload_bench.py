@@ -322,7 +322,8 @@ def _summary(rounds: list[list[RankResult]]) -> dict:
 
 def _print_model(model: str, runs: dict, io_bw: float) -> None:
     rows = {name: _summary(rounds) for name, rounds in runs.items()}
-    print(f"model {model}, 2 ranks, median step over {sum(len(r) for r in runs['none'])} runs")
+    steps = sum(len(r) for r in next(iter(runs.values())))
+    print(f"model {model}, 2 ranks, median step over {steps} runs")
     print(
         f"  {'system':10} {'step':>8} {'vs base':>8} {'anon RSS':>9} {'state in':>9} "
         f"{'swapped':>8} {'I/O/step':>9} {'I/O time':>9} {'exposed':>8} {'exp/I/O':>8} {'loss':>8}"

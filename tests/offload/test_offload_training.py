@@ -64,12 +64,16 @@ def _params(engine) -> list[torch.Tensor]:
         return [p.detach().float().clone() for p in params]
 
 
-def _run(config) -> tuple[list[torch.Tensor], dict, object]:
+def _run(config) -> tuple[list[torch.Tensor], dict, object, int]:
+    """Parameters, optimizer state, memory breakdown, and how many swapped parameter chunks
+    were read on the swap's I/O thread for a gather."""
     engine, optimizer, *_ = zerolap.initialize(model=make_model(), config=config)
     _train(engine, range(STEPS))
     out = _params(engine), optimizer.state_dict()["inner"]["state"], engine.memory_breakdown()
+    swap = getattr(engine.param_store, "swap", None)
+    hits = swap.staged_reads if swap is not None else 0
     engine.destroy()
-    return out
+    return (*out, hits)
 
 
 def _mine(directory: str) -> list[str]:
@@ -93,10 +97,12 @@ VARIANTS = [
 def check_parity(directory: str) -> list[str]:
     failures = []
     for stage, dtype, extra, with_param in VARIANTS:
-        want, want_state, plain = _run(_config(stage, dtype=dtype))
+        want, want_state, plain, _ = _run(_config(stage, dtype=dtype))
         opt = {"device": "nvme", "nvme_path": directory, "buffer_count": 2, **extra}
-        param = {"device": "nvme", "nvme_path": directory, "max_in_cpu": 0} if with_param else None
-        got, got_state, memory = _run(_config(stage, dtype=dtype, opt=opt, param=param))
+        param = None
+        if with_param:  # 2 buffers for 4 swapped chunks: every use reads one back from disk
+            param = {"device": "nvme", "nvme_path": directory, "max_in_cpu": 0, "buffer_count": 2}
+        got, got_state, memory, hits = _run(_config(stage, dtype=dtype, opt=opt, param=param))
         name = f"stage {stage} {dtype or 'fp32'} {extra} param={with_param}"
         if not all(torch.equal(g, w) for g, w in zip(got, want, strict=True)):
             failures.append(f"{name}: parameters differ")
@@ -115,6 +121,8 @@ def check_parity(directory: str) -> list[str]:
                 failures.append(f"{name}: only {moved} of {plain.optimizer_state_bytes} moved")
         if with_param and memory.params_bytes >= plain.params_bytes:
             failures.append(f"{name}: parameter shard still resident ({memory.params_bytes})")
+        if with_param and hits == 0:
+            failures.append(f"{name}: no parameter chunk was read off the gathering thread")
     return failures
 
 

@@ -177,7 +177,9 @@ def _peer_gone(message: str, peer: int) -> str:
     return ""
 
 
-def _run(name: str, tensor: torch.Tensor, group, async_op: bool, body, reduce_op=None):
+def _run(
+    name: str, tensor: torch.Tensor, group, async_op: bool, body, reduce_op=None, prepare=None
+):
     info = check_group(name, group)
     check_tensor(name, "tensor", tensor, info)
     agree(name, info, tensor, reduce_op=reduce_op)
@@ -189,6 +191,12 @@ def _run(name: str, tensor: torch.Tensor, group, async_op: bool, body, reduce_op
         record = COMMS_LOGGER.start(name, nbytes, 0, info.size, tensor.device)
 
     def work():
+        if prepare is not None:  # first, even on a failed channel: it may release resources
+            try:
+                prepare()
+            except Exception as err:
+                channel.failure = channel.failure or f"{name}: {err}"
+                raise
         if channel.failure is not None:
             raise RingFailed(
                 f"not started: an earlier ring op on this group failed: {channel.failure}"
@@ -232,11 +240,17 @@ def ring_reduce_scatter(tensor: torch.Tensor, op="sum", group=None, async_op: bo
     )
 
 
-def ring_all_gather(tensor: torch.Tensor, group=None, async_op: bool = False):
+def ring_all_gather(tensor: torch.Tensor, group=None, async_op: bool = False, prepare=None):
     """Fill every chunk of ``tensor`` from its owner: group rank r contributes chunk r of
-    ``even_chunks(numel, N)``. Returns ``tensor``."""
+    ``even_chunks(numel, N)``. Returns ``tensor``. ``prepare`` (no arguments) runs on the
+    thread that runs the op, just before it: it may put this rank's chunk in place."""
     return _run(
-        "ring_all_gather", tensor, group, async_op, lambda ring: (ring.all_gather(), tensor)[1]
+        "ring_all_gather",
+        tensor,
+        group,
+        async_op,
+        lambda ring: (ring.all_gather(), tensor)[1],
+        prepare=prepare,
     )
 
 

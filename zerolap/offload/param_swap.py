@@ -12,13 +12,23 @@ A chunk in memory sits in one of ``buffer_count`` buffers of ``buffer_size`` ele
 cache, least recently used first out. A chunk that was changed is written back when its buffer
 is taken for another, or by ``flush``; a chunk only read is dropped. So a forward (or backward)
 reads each swapped chunk once, a step writes each once, and memory holds ``buffer_count``
-buffers whatever the model's size. I/O is synchronous, on the thread that asks: the fetcher
-already asks ahead of use (its prefetch), and a chunk is a rank's 1/N of a unit.
+buffers whatever the model's size.
+
+A gather of a swapped unit (on gloo) does not wait for the disk on the thread that launches it:
+``stage`` starts the chunk's read on the swap's I/O thread and pins its buffer, and the gather
+copies the chunk in on the ring's own thread when its turn comes, then unpins it. So the
+fetcher's prefetch launches gathers without blocking, and the reads run under the model's
+compute. A pinned buffer is never taken for another chunk (the taker waits for the copy).
+Everything else (the optimizer's and checkpoints' ``get``, write-backs) is synchronous, on the
+thread that asks.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -93,7 +103,12 @@ class SwappedChunks:
         self._allocated = 0
         self._cached: OrderedDict[int, torch.Tensor] = OrderedDict()  # unit -> its buffer, LRU
         self._dirty: set[int] = set()
+        self._reading: dict[int, Future] = {}  # reads started by ``stage``, not yet waited for
+        self._pins: dict[int, int] = {}  # unit -> gathers still to copy its chunk in
+        self._unpinned = threading.Condition()
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="zerolap-param-swap")
         self.reads = self.writes = 0  # chunks moved, since construction
+        self.staged_reads = 0  # ... of the reads, those made on the I/O thread for a gather
 
     def __contains__(self, unit: int) -> bool:
         return unit in self.numel
@@ -109,10 +124,50 @@ class SwappedChunks:
                 self.file.read(self.offsets[unit], buffer, self.nbytes[unit])
                 self.reads += 1
             self._cached[unit] = buffer
+        elif unit in self._reading:
+            self._finish_read(unit)
         self._cached.move_to_end(unit)
         if write:
             self._dirty.add(unit)
         return buffer[: self.nbytes[unit]].view(self.dtype)
+
+    def stage(self, unit: int) -> Callable[[], torch.Tensor]:
+        """For a gather that copies unit ``unit``'s chunk in on another thread: the chunk's
+        read started on the I/O thread (unless it is in memory) and its buffer pinned. Returns
+        ``take``, which waits for the read and gives the chunk; call ``unpin(unit)`` once it
+        is copied."""
+        buffer = self._cached.get(unit)
+        if buffer is None:
+            buffer = self._take_buffer()
+            self._cached[unit] = buffer
+            if self.file.written(self.offsets[unit]):
+                offset, nbytes = self.offsets[unit], self.nbytes[unit]
+                self._reading[unit] = self._io.submit(self.file.read, offset, buffer, nbytes)
+                self.reads += 1
+                self.staged_reads += 1
+        self._cached.move_to_end(unit)
+        with self._unpinned:
+            self._pins[unit] = self._pins.get(unit, 0) + 1
+        reading = self._reading.get(unit)
+        chunk = buffer[: self.nbytes[unit]].view(self.dtype)
+
+        def take() -> torch.Tensor:
+            if reading is not None:
+                reading.result()
+            return chunk
+
+        return take
+
+    def unpin(self, unit: int) -> None:
+        with self._unpinned:
+            self._pins[unit] -= 1
+            if not self._pins[unit]:
+                del self._pins[unit]
+            self._unpinned.notify_all()
+
+    def _finish_read(self, unit: int) -> None:
+        """Wait for the read started ahead of ``unit`` (its errors are raised here)."""
+        self._reading.pop(unit).result()
 
     def _take_buffer(self) -> torch.Tensor:
         if self._free:
@@ -120,7 +175,12 @@ class SwappedChunks:
         if self._allocated < self._count:
             self._allocated += 1
             return aligned_empty(self._size)
-        unit, buffer = self._cached.popitem(last=False)
+        with self._unpinned:  # the least recently used chunk no gather still copies from
+            self._unpinned.wait_for(lambda: any(u not in self._pins for u in self._cached))
+            unit = next(u for u in self._cached if u not in self._pins)
+        buffer = self._cached.pop(unit)
+        if unit in self._reading:  # staged for a gather that has copied it in since
+            self._finish_read(unit)
         self._write_back(unit, buffer)
         return buffer
 
@@ -133,8 +193,12 @@ class SwappedChunks:
     def flush(self) -> None:
         """Every changed chunk to disk, and the buffers emptied (the file is the whole truth
         again: a checkpoint or a fresh read sees every update)."""
+        with self._unpinned:
+            self._unpinned.wait_for(lambda: not self._pins)
         while self._cached:
             unit, buffer = self._cached.popitem(last=False)
+            if unit in self._reading:
+                self._finish_read(unit)
             self._write_back(unit, buffer)
             self._free.append(buffer)
 
@@ -146,6 +210,10 @@ class SwappedChunks:
 
     def close(self) -> None:
         """Remove the file (its contents are scratch); the chunks are gone."""
+        for read in self._reading.values():
+            read.exception()  # landed (or failed) before its file goes
+        self._reading.clear()
+        self._io.shutdown(wait=True)
         self._cached.clear()
         self._free.clear()
         self._allocated = 0

@@ -16,12 +16,15 @@ __all__ = ["all_gather_bucket"]
 
 
 def all_gather_bucket(
-    region: torch.Tensor, bucket: BucketLayout, *, rank: int, group, native: bool
+    region: torch.Tensor, bucket: BucketLayout, *, rank: int, group, native: bool, prepare=None
 ):
-    """Fill ``region`` (the whole bucket, this rank's chunk already in place) from every
-    rank's chunk; returns the async handle."""
+    """Fill ``region`` (the whole bucket) from every rank's chunk; returns the async handle.
+    This rank's chunk is in place already, or put there by ``prepare``: called here on NCCL,
+    by the ring's own thread just before it runs on gloo."""
     if native:
+        if prepare is not None:
+            prepare()
         start, end = bucket.chunk(rank)
         mine = region[start - bucket.start : end - bucket.start]
         return dist.all_gather_into_tensor(region, mine, group=group, async_op=True)
-    return dist.ring_all_gather(region, group=group, async_op=True)
+    return dist.ring_all_gather(region, group=group, async_op=True, prepare=prepare)

@@ -229,10 +229,24 @@ class ShardedParams:
 
     def _launch_gather(self, unit: int):
         full = self.full[unit]
-        self._own_part(unit, full).copy_(self._chunk_of(unit))
-        return all_gather_bucket(
-            full, self.layout.buckets[unit], rank=self.rank, group=self.group, native=self.native
-        )
+        own = self._own_part(unit, full)
+        bucket = self.layout.buckets[unit]
+        if self.swap is not None and unit in self.swap:
+            # A swapped chunk is read on the swap's I/O thread and copied in by the gather
+            # itself when its turn comes: the caller (a prefetch) does not wait for the disk.
+            take = self.swap.stage(unit)
+
+            def copy_in() -> None:
+                try:
+                    own.copy_(take())
+                finally:
+                    self.swap.unpin(unit)
+
+            return all_gather_bucket(
+                full, bucket, rank=self.rank, group=self.group, native=self.native, prepare=copy_in
+            )
+        own.copy_(self._chunk_of(unit))
+        return all_gather_bucket(full, bucket, rank=self.rank, group=self.group, native=self.native)
 
     def launch(self, unit: int) -> None:
         """Start gathering ``unit`` (no-op unless it is sharded)."""
