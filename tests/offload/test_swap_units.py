@@ -138,3 +138,47 @@ def test_param_chunks_are_cached_in_buffer_count_buffers(tmp_path):
     assert chunks.writes == 3
     chunks.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_staged_chunks_stay_pinned_until_copied_and_a_failed_read_breaks_the_swap(tmp_path):
+    import threading
+
+    plan = ParamSwapPlan(directory=tmp_path, rank=0, buffer_count=2, buffer_size=100, max_in_cpu=0)
+    chunks = plan.build({0: 40, 1: 40, 2: 40}, torch.float32, {})
+    for unit in (0, 1, 2):
+        chunks.get(unit, write=True).fill_(unit)
+    chunks.flush()
+    take = [chunks.stage(0), chunks.stage(1)]  # both buffers pinned, reads in flight
+    assert chunks.staged_reads == 2
+    taken = threading.Event()
+
+    def third():  # needs a buffer: waits for a gather to copy its chunk in
+        assert torch.all(chunks.get(2, write=False) == 2)
+        taken.set()
+
+    waiter = threading.Thread(target=third)
+    waiter.start()
+    assert not taken.wait(0.3)  # nothing unpinned yet
+    assert torch.all(take[0]() == 0) and torch.all(take[1]() == 1)
+    chunks.unpin(0)
+    assert taken.wait(5)
+    waiter.join()
+    chunks.unpin(1)
+    # A chunk changed underneath: its staged read fails in the gather, and the swap is broken
+    # from then on; the half-read chunk is never served or written back.
+    path = next(tmp_path.iterdir())
+    chunks.flush()
+    with open(path, "r+b") as f:
+        f.seek(4096 + 8)
+        f.write(b"\x01")
+    staged = chunks.stage(1)
+    with pytest.raises(SwapError, match="checksum mismatch"):
+        staged()
+    chunks.unpin(1)
+    writes = chunks.writes
+    for use in (lambda: chunks.get(1, write=True), lambda: chunks.stage(0), chunks.flush):
+        with pytest.raises(SwapError, match="checksum mismatch"):
+            use()
+    assert chunks.writes == writes
+    chunks.close()
+    assert os.listdir(tmp_path) == []

@@ -4,7 +4,7 @@ nvme}``).
 Stage 3 keeps, per fetch unit, this rank's chunk of the unit's flat parameters (``zero.
 sharded_params``). With ``offload_param`` on nvme the chunks of the units chosen here (those past
 ``max_in_cpu`` elements) live in one swap file per rank, a region per unit, and come into memory
-only to be used: copied into the unit's full buffer before its all-gather (forward, backward,
+only to be used: copied into the unit's full buffer by its all-gather (forward, backward,
 after a step for anything gathered again), updated by the optimizer step, read and written by
 checkpoints.
 
@@ -17,10 +17,13 @@ buffers whatever the model's size.
 A gather of a swapped unit (on gloo) does not wait for the disk on the thread that launches it:
 ``stage`` starts the chunk's read on the swap's I/O thread and pins its buffer, and the gather
 copies the chunk in on the ring's own thread when its turn comes, then unpins it. So the
-fetcher's prefetch launches gathers without blocking, and the reads run under the model's
-compute. A pinned buffer is never taken for another chunk (the taker waits for the copy).
-Everything else (the optimizer's and checkpoints' ``get``, write-backs) is synchronous, on the
-thread that asks.
+fetcher's prefetch launches gathers without waiting for reads, and the reads run under the
+model's compute. It still waits to write back a changed chunk whose buffer it takes (the
+first gathers after a step), and for a buffer when every one is pinned. A pinned buffer is never
+taken for another chunk, nor written by a ``get``. A read that fails breaks the swap: that
+``SwapError`` is raised by every later use, and no half-read chunk is ever served or written
+back. Everything else (the optimizer's and checkpoints' ``get``, write-backs) is synchronous,
+on the thread that asks.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from pathlib import Path
 import torch
 
 from zerolap.config import ConfigError
-from zerolap.offload.swap_file import SwapFile, aligned, aligned_empty, swap_path
+from zerolap.offload.swap_file import SwapError, SwapFile, aligned, aligned_empty, swap_path
 
 __all__ = ["ParamSwapPlan", "SwappedChunks"]
 
@@ -103,7 +106,8 @@ class SwappedChunks:
         self._allocated = 0
         self._cached: OrderedDict[int, torch.Tensor] = OrderedDict()  # unit -> its buffer, LRU
         self._dirty: set[int] = set()
-        self._reading: dict[int, Future] = {}  # reads started by ``stage``, not yet waited for
+        self._reading: dict[int, Future] = {}  # reads started by ``stage``, not yet collected
+        self.broken: SwapError | None = None  # a read failed: every later use raises it
         self._pins: dict[int, int] = {}  # unit -> gathers still to copy its chunk in
         self._unpinned = threading.Condition()
         self._io = ThreadPoolExecutor(1, thread_name_prefix="zerolap-param-swap")
@@ -116,7 +120,11 @@ class SwappedChunks:
     def get(self, unit: int, *, write: bool) -> torch.Tensor:
         """Unit ``unit``'s chunk in memory (read in unless cached); ``write``: the caller will
         change it, so it is written back before its buffer is reused. Valid until the next
-        ``get`` of another unit."""
+        ``get`` or ``stage`` of another unit."""
+        self._check()
+        if write:
+            with self._unpinned:  # a gather still copying this chunk in reads it
+                self._unpinned.wait_for(lambda: unit not in self._pins)
         buffer = self._cached.get(unit)
         if buffer is None:
             buffer = self._take_buffer()
@@ -125,7 +133,8 @@ class SwappedChunks:
                 self.reads += 1
             self._cached[unit] = buffer
         elif unit in self._reading:
-            self._finish_read(unit)
+            self._collect(unit)
+            self._check()
         self._cached.move_to_end(unit)
         if write:
             self._dirty.add(unit)
@@ -135,7 +144,8 @@ class SwappedChunks:
         """For a gather that copies unit ``unit``'s chunk in on another thread: the chunk's
         read started on the I/O thread (unless it is in memory) and its buffer pinned. Returns
         ``take``, which waits for the read and gives the chunk; call ``unpin(unit)`` once it
-        is copied."""
+        is copied (whatever happened)."""
+        self._check()
         buffer = self._cached.get(unit)
         if buffer is None:
             buffer = self._take_buffer()
@@ -153,7 +163,7 @@ class SwappedChunks:
 
         def take() -> torch.Tensor:
             if reading is not None:
-                reading.result()
+                reading.result()  # a SwapError: raised in the gather, recorded when collected
             return chunk
 
         return take
@@ -165,9 +175,18 @@ class SwappedChunks:
                 del self._pins[unit]
             self._unpinned.notify_all()
 
-    def _finish_read(self, unit: int) -> None:
-        """Wait for the read started ahead of ``unit`` (its errors are raised here)."""
-        self._reading.pop(unit).result()
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise self.broken
+
+    def _collect(self, unit: int) -> None:
+        """Wait for the read ``stage`` started for ``unit``. A failed one breaks the swap and
+        takes the unit out of memory (its buffer freed, never written back)."""
+        error = self._reading.pop(unit).exception()
+        if error is not None:
+            self.broken = self.broken or error
+            self._dirty.discard(unit)
+            self._free.append(self._cached.pop(unit))
 
     def _take_buffer(self) -> torch.Tensor:
         if self._free:
@@ -178,10 +197,16 @@ class SwappedChunks:
         with self._unpinned:  # the least recently used chunk no gather still copies from
             self._unpinned.wait_for(lambda: any(u not in self._pins for u in self._cached))
             unit = next(u for u in self._cached if u not in self._pins)
-        buffer = self._cached.pop(unit)
         if unit in self._reading:  # staged for a gather that has copied it in since
-            self._finish_read(unit)
-        self._write_back(unit, buffer)
+            self._collect(unit)
+            if unit not in self._cached:  # its read failed: the buffer was freed
+                return self._free.pop()
+        buffer = self._cached.pop(unit)
+        try:
+            self._write_back(unit, buffer)
+        except BaseException:
+            self._free.append(buffer)  # the chunk is lost with the swap; not the buffer
+            raise
         return buffer
 
     def _write_back(self, unit: int, buffer: torch.Tensor) -> None:
@@ -195,12 +220,13 @@ class SwappedChunks:
         again: a checkpoint or a fresh read sees every update)."""
         with self._unpinned:
             self._unpinned.wait_for(lambda: not self._pins)
+        for unit in list(self._reading):
+            self._collect(unit)
+        self._check()
         while self._cached:
             unit, buffer = self._cached.popitem(last=False)
-            if unit in self._reading:
-                self._finish_read(unit)
-            self._write_back(unit, buffer)
             self._free.append(buffer)
+            self._write_back(unit, buffer)
 
     def buffer_bytes(self) -> int:
         return self._allocated * aligned(self._size)

@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 
 import zerolap.comm as dist
+from zerolap.offload.swap_file import SwapError
 from zerolap.zero.gather import all_gather_bucket
 from zerolap.zero.layout import FlatLayout, OwnedRun
 from zerolap.zero.status import ParamStatus, mark, unmark
@@ -231,20 +232,34 @@ class ShardedParams:
         full = self.full[unit]
         own = self._own_part(unit, full)
         bucket = self.layout.buckets[unit]
-        if self.swap is not None and unit in self.swap:
+        swap = self.swap
+        if swap is not None and unit in swap:
             # A swapped chunk is read on the swap's I/O thread and copied in by the gather
-            # itself when its turn comes: the caller (a prefetch) does not wait for the disk.
-            take = self.swap.stage(unit)
+            # itself when its turn comes: the caller (a prefetch) does not wait for the read.
+            take = swap.stage(unit)
+            pinned = [True]  # unpinned once, by the gather or here if it never runs
+
+            def unpin() -> None:
+                try:
+                    pinned.pop()  # atomic: of two callers, one gets it
+                except IndexError:
+                    return
+                swap.unpin(unit)
 
             def copy_in() -> None:
                 try:
                     own.copy_(take())
                 finally:
-                    self.swap.unpin(unit)
+                    unpin()
 
-            return all_gather_bucket(
-                full, bucket, rank=self.rank, group=self.group, native=self.native, prepare=copy_in
-            )
+            try:
+                return all_gather_bucket(
+                    full, bucket, rank=self.rank, group=self.group, native=self.native,
+                    prepare=copy_in,
+                )  # fmt: skip
+            except BaseException:
+                unpin()  # refused before it was queued: copy_in will never run
+                raise
         own.copy_(self._chunk_of(unit))
         return all_gather_bucket(full, bucket, rank=self.rank, group=self.group, native=self.native)
 
@@ -261,7 +276,12 @@ class ShardedParams:
         if self.status[unit] == ParamStatus.AVAILABLE:
             return False
         self.launch(unit)
-        self.handles[unit].wait()
+        try:
+            self.handles[unit].wait()
+        except dist.CommError as err:  # a swapped chunk that could not be read: the disk's error
+            if isinstance(err.__cause__, SwapError):
+                raise err.__cause__ from None
+            raise
         self.handles[unit] = None
         self._attach(unit)
         return True
