@@ -110,6 +110,10 @@ def check_logged_ops():
         ag = summary["all_gather_into_tensor"][1024 * n]  # message = the gathered output
         assert ag["count"] == 1 and ag["wire_bytes"] == 1024 * (n - 1)
         assert summary["broadcast"][400]["count"] == 1
+        dist.reset_log()  # a caller's log name keeps the collective's bus factor
+        dist.all_reduce(torch.ones(1024), log_name="tp_forward_all_reduce")
+        named = dist.log_summary()["tp_forward_all_reduce"][4096]
+        assert named["busbw_gbps"] == pytest.approx(named["algbw_gbps"] * 2 * (n - 1) / n)
         dist.configure(prof_all=False, prof_ops=["broadcast"])
         dist.reset_log()
         dist.all_reduce(torch.ones(8))

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.launcher.hosts_script import STEPS
 from tests.multiproc import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -126,6 +127,11 @@ def test_two_hosts_train_as_one_and_send_what_the_ring_carries(hosts, tmp_path, 
     # What the interfaces sent: the ring's crossing bytes, plus headers, acknowledgements and
     # the engine's few small collectives (measured: 0.6% more).
     sent = traffic[0]["interface_sent"] + traffic[2]["interface_sent"]
+    per_rank_step = sent / len(traffic) / STEPS
+    print(  # the README's figures (pytest -s)
+        f"stage {stage}: ring crossing {crossing} B = {crossing / message:.4f} K; interfaces "
+        f"sent {sent} B = {sent / crossing:.4f}x that, {per_rank_step / 1e6:.2f} MB/rank/step"
+    )
     assert crossing <= sent <= 1.05 * crossing, (sent, crossing)
 
 

@@ -3,6 +3,8 @@ named, instead of training on diverging or hanging in a collective whose sizes d
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -43,6 +45,11 @@ def initialize_with(differing: int, case: str) -> str:
         model.proj = torch.nn.Linear(8, 5)
     if odd and case == "frozen":
         next(model.parameters()).requires_grad_(False)
+    if case == "rank-local":  # where each rank logs and keeps its swap files: its own business
+        offload = {"device": "nvme", "nvme_path": f"/tmp/zerolap-agreement-{dist.get_rank()}"}
+        config = _config(steps_per_print=10 if odd else 100, wall_clock_breakdown=odd)
+        config["zero_optimization"]["offload_optimizer"] = offload
+        os.makedirs(offload["nvme_path"], exist_ok=True)
     try:
         engine, *_ = zerolap.initialize(model=model, config=config)
     except ConfigError as err:
@@ -78,10 +85,12 @@ def test_different_models_are_named_on_every_rank(ranks):
     assert "(frozen)" in messages[0] and messages[0] == messages[1]
 
 
-def test_the_same_job_initializes():
+def test_the_same_job_initializes(ranks):
     assert describe(parse_config(_config()), make_model()) == describe(
         parse_config(_config()), make_model()
     )
+    assert ranks(2).run(initialize_with, 1, "same") == ["initialized", "initialized"]
+    assert ranks(2).run(initialize_with, 1, "rank-local") == ["initialized", "initialized"]
 
 
 def test_rank_local_settings_may_differ():

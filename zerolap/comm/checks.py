@@ -65,8 +65,7 @@ def forget_groups() -> None:
 def buffer_device(group: torch_dist.ProcessGroup | None = None) -> torch.device:
     """Where a small tensor must live to be sent over ``group`` (CUDA for NCCL, else CPU):
     for the engine's own flags and digests."""
-    require_initialized("buffer_device")
-    return GroupInfo(group).device()
+    return check_group("buffer_device", group).device()
 
 
 def check_group(op: str, group: torch_dist.ProcessGroup | None) -> GroupInfo:

@@ -98,7 +98,7 @@ def launch(
         if wire is None:
             wire = ring_wire_bytes(op, size, info.size, group_rank=info.rank, root=root)
         device = info.device() if message is None else message.device
-        record = COMMS_LOGGER.start(log_name or op, size, wire, info.size, device)
+        record = COMMS_LOGGER.start(log_name or op, size, wire, info.size, device, collective=op)
     handle = Handle(
         start(), op, info, value=value, finalize=finalize, record=record, pairwise=pairwise
     )

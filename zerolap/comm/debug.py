@@ -23,7 +23,7 @@ import torch.distributed as torch_dist
 from zerolap.comm.flat_ops import all_gather_flat
 from zerolap.comm.handle import CommError, Handle
 
-__all__ = ["CollectiveMismatch", "agree", "configure_from_env", "enabled"]
+__all__ = ["CollectiveMismatch", "agree", "configure_from_env"]
 
 _REDUCTIONS = ("sum", "avg", "product", "min", "max")
 _REDUCE_OPS = tuple(getattr(torch_dist.ReduceOp, name.upper()) for name in _REDUCTIONS)
@@ -80,10 +80,6 @@ def configure_from_env() -> None:
         os.environ.get("ZEROLAP_DEBUG_COLLECTIVES", "0") not in ("", "0")
         or os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() == "DETAIL"
     )
-
-
-def enabled() -> bool:
-    return _enabled
 
 
 def _code(op: str) -> int:

@@ -57,6 +57,8 @@ class CommRecord:
     """When the launching call returned to the caller (async ops)."""
     waited: tuple[float, float] | None = None
     """When the caller blocked in ``wait()`` for it."""
+    bus: float = 1.0
+    """nccl-tests' bus-bandwidth factor of the collective (``op`` may be a caller's log name)."""
 
     @property
     def name(self) -> str:
@@ -102,13 +104,23 @@ class CommsLogger:
         return self.config.prof_all or op in self.config.prof_ops
 
     def start(
-        self, op: str, message_bytes: int, wire_bytes: int, group_size: int, device: torch.device
+        self,
+        op: str,
+        message_bytes: int,
+        wire_bytes: int,
+        group_size: int,
+        device: torch.device,
+        *,
+        collective: str | None = None,
     ) -> CommRecord | None:
+        """Open a record named ``op``; ``collective``: the op that runs when ``op`` is the
+        name a caller logs it under (``log_name``)."""
         if not self.wants(op):
             return None
+        bus = bus_factor(collective or op, group_size)
         if self.config.debug:
             op = f"{op} | [Caller Func: {_caller_name()}]"
-        record = CommRecord(op, message_bytes, wire_bytes, group_size, time.perf_counter())
+        record = CommRecord(op, message_bytes, wire_bytes, group_size, time.perf_counter(), bus=bus)
         if device.type == "cuda":
             start_event = torch.cuda.Event(enable_timing=True)
             start_event.record()
@@ -133,7 +145,7 @@ class CommsLogger:
     def _print_one(self, record: CommRecord) -> None:
         latency = record.latency or 0.0
         algbw = record.message_bytes / latency / 1e9 if latency > 0 else 0.0
-        busbw = algbw * bus_factor(record.op, record.group_size)
+        busbw = algbw * record.bus
         log.info(
             f"comm op: {record.op} | time (ms): {latency * 1e3:.3f} | "
             f"msg size: {_human_bytes(record.message_bytes)} | algbw (GB/s): {algbw:.3f} | "
@@ -160,7 +172,7 @@ class CommsLogger:
                 "total_latency_ms": total * 1e3,
                 "avg_latency_ms": avg * 1e3,
                 "algbw_gbps": algbw,
-                "busbw_gbps": algbw * bus_factor(op, records[0].group_size),
+                "busbw_gbps": algbw * records[0].bus,
                 "wire_bytes": sum(r.wire_bytes for r in records),
             }
         return dict(summary)

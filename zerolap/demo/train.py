@@ -19,7 +19,7 @@ import torch
 
 import zerolap
 import zerolap.comm as dist
-from zerolap.config import read_config
+from zerolap.config import parse_config
 from zerolap.demo.corpus import CharTokenizer, corpus_text
 from zerolap.demo.gpt import GPT, GPTConfig
 from zerolap.profiling.profiler import StepProfiler
@@ -302,5 +302,4 @@ def _tensor_size(options: DemoOptions) -> int:
     """The tensor-parallel size the run will have: ``--tp``, or the ``--config``'s."""
     if not options.config:
         return options.tp
-    section = read_config(options.config).get("tensor_parallel") or {}
-    return max(int(section.get("autotp_size") or 1), 1)
+    return parse_config(options.config).tensor_parallel.size
