@@ -2,8 +2,8 @@
 
 ``import zerolap as deepspeed`` gives the names a DeepSpeed training script uses:
 ``initialize``, ``init_distributed``, ``add_config_arguments``, ``comm``, ``zero``, ``utils``,
-``accelerator``, ``checkpointing``, ``ops``, ``runtime``, ``checkpoint``, each reachable along
-DeepSpeed's module paths (``zerolap.aliases``).
+``accelerator``, ``checkpointing``, ``ops``, ``pipe``, ``runtime``, ``checkpoint``, each
+reachable along DeepSpeed's module paths (``zerolap.aliases``).
 """
 
 import sys
@@ -15,6 +15,7 @@ from zerolap import (
     checkpointing,
     comm,
     ops,
+    pipe,
     runtime,
     utils,
     zero,
@@ -47,6 +48,7 @@ __all__ = [
     "log_dist",
     "logger",
     "ops",
+    "pipe",
     "runtime",
     "tp_model_init",
     "utils",

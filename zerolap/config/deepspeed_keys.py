@@ -78,8 +78,6 @@ class DeepSpeedKeys(ConfigSection):
     """DeepSpeed's DataStates asynchronous checkpointing."""
     data_types: Annotated[Block, DeepSpeedOnly()] = None
     """DeepSpeed's gradient-accumulation and parameter dtypes."""
-    pipeline: Annotated[Block, DeepSpeedOnly()] = None
-    """DeepSpeed's pipeline-parallel engine."""
     sparse_attention: Annotated[Block, DeepSpeedOnly()] = None
     """DeepSpeed's sparse attention kernels (used through its own modules)."""
     hybrid_engine: Annotated[Block, DeepSpeedOnly()] = None

@@ -25,6 +25,7 @@ from zerolap.config.deepspeed_keys import DeepSpeedKeys
 from zerolap.config.errors import ConfigError, Problem, format_validation_error
 from zerolap.config.nonfinite import NonFiniteConfig
 from zerolap.config.optimizer import OptimizerConfig
+from zerolap.config.pipeline import PipelineConfig
 from zerolap.config.precision import BF16Config, DTypeName, FP16Config, torch_dtype
 from zerolap.config.scheduler import SchedulerConfig
 from zerolap.config.tensor_parallel import TensorParallelConfig
@@ -89,6 +90,8 @@ class ZerolapConfig(DeepSpeedKeys):
     """The throughput timer (``engine.tput_timer``)."""
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """Tensor parallelism (DeepSpeed's AutoTP training)."""
+    pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
+    """Pipeline parallelism (a ``zerolap.pipe.PipelineModule`` trained with ``train_batch``)."""
     nonfinite_gradients: NonFiniteConfig = Field(default_factory=NonFiniteConfig)
     """What a step with inf or nan gradients does (outside fp16's dynamic loss scaling)."""
 

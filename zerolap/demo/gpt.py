@@ -14,7 +14,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPT", "PRESETS", "GPTConfig", "build_gpt", "synthetic_batch"]
+__all__ = [
+    "GPT",
+    "PRESETS",
+    "GPTConfig",
+    "build_gpt",
+    "pipeline_layers",
+    "pipeline_loss",
+    "pipeline_names",
+    "synthetic_batch",
+]
 
 
 @dataclass(frozen=True)
@@ -124,3 +133,56 @@ def synthetic_batch(
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(cfg.vocab_size, (batch_size, cfg.seq_len + 1), generator=generator)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+class TokenEmbedding(nn.Module):
+    """A GPT's token embedding as a pipeline layer, sharing the GPT's weight tensor: the first
+    stage embeds with it, the last reads logits from it (``pipeline_layers``)."""
+
+    def __init__(self, source: nn.Embedding) -> None:
+        super().__init__()
+        self.weight = source.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weight)
+
+
+class AddPositions(nn.Module):
+    """Adds the learnt position embedding (the GPT's own module) to token embeddings."""
+
+    def __init__(self, pos_emb: nn.Embedding) -> None:
+        super().__init__()
+        self.pos_emb = pos_emb
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.pos_emb(torch.arange(x.shape[1], device=x.device))
+
+
+def _logits_from(embedding: TokenEmbedding, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, embedding.weight)
+
+
+def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The GPT's loss on a pipeline's last stage."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def pipeline_layers(gpt: GPT) -> list:
+    """``gpt`` as a ``zerolap.pipe.PipelineModule`` layer list with the same weights: the token
+    embedding tied to the LM head across the first and last stages, then positions, blocks
+    and the final norm. Its parameters' names map to the GPT's by ``pipeline_names``."""
+    from zerolap.pipe import TiedLayerSpec
+
+    return [
+        TiedLayerSpec("embed", TokenEmbedding, gpt.tok_emb),
+        AddPositions(gpt.pos_emb),
+        *gpt.blocks,
+        gpt.ln_f,
+        TiedLayerSpec("embed", TokenEmbedding, gpt.tok_emb, forward_fn=_logits_from),
+    ]
+
+
+def pipeline_names(gpt: GPT, stage_module: nn.Module) -> dict[str, str]:
+    """A pipeline stage's parameter names (built by ``pipeline_layers(gpt)``) -> the GPT's."""
+    dense = {id(p): n for n, p in gpt.named_parameters()}
+    return {n: dense[id(p)] for n, p in stage_module.named_parameters() if id(p) in dense}

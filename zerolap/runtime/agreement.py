@@ -8,7 +8,9 @@ two 64-bit digests (config, model); only when they differ are the descriptions t
 gathered, to name the first difference, the key or parameter, and the ranks.
 
 What may differ per rank is left out: where each rank logs and profiles, and its local paths
-(``nvme_path``: hosts mount their disks where they like).
+(``nvme_path``: hosts mount their disks where they like). A pipeline's stages hold different
+layers: their parameters are compared between the ranks of one stage, and the whole layer
+list and its split between all ranks.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 import zerolap.comm as dist
 from zerolap.config import ConfigError, ZerolapConfig
+from zerolap.pipe.module import PipelineModule
 
 __all__ = ["check_ranks_agree"]
 
@@ -47,8 +50,12 @@ def _shared(value: Any) -> Any:
 def describe(config: ZerolapConfig, model: torch.nn.Module) -> dict[str, dict[str, Any]]:
     """What must be equal on every rank: the config's sections and the model's parameters."""
     sections = config.model_dump(mode="json")
+    shared = {k: _shared(v) for k, v in sections.items() if k not in _RANK_LOCAL_SECTIONS}
+    if isinstance(model, PipelineModule):
+        shared["pipeline layers"] = {"layers": model.layer_names(), "split": model.parts}
     return {
-        "config": {k: _shared(v) for k, v in sections.items() if k not in _RANK_LOCAL_SECTIONS},
+        "config": shared,
+        "stage": model.stage_id if isinstance(model, PipelineModule) else 0,
         "model": {
             name: [list(getattr(p, "ds_shape", p.shape)), str(p.dtype), p.requires_grad]
             for name, p in model.named_parameters()
@@ -74,9 +81,9 @@ def check_ranks_agree(
         return
     mine = None if invalid is not None else describe(config, model)
     digests = torch.tensor(
-        [0, 0, 0]
+        [0, 0, 0, 0]
         if mine is None
-        else [1, _digest(mine["config"]), _digest(list(mine["model"].items()))],
+        else [1, _digest(mine["config"]), _digest(list(mine["model"].items())), mine["stage"]],
         dtype=torch.int64,
         device=dist.buffer_device(),
     )
@@ -89,26 +96,46 @@ def check_ranks_agree(
             f"the ds_config of ranks {broken} is invalid (their own error says why); this "
             f"rank's (rank {dist.get_rank()}) is valid"
         )
-    if all(torch.equal(g, gathered[0]) for g in gathered):
+    if all(torch.equal(g, _first_of_stage(gathered, g)) for g in gathered):
         return
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     raise ConfigError(_first_difference(everyone))
 
 
-def _first_difference(everyone: list[dict[str, dict[str, Any]]]) -> str:
-    reference = everyone[0]
-    for part, what in (("config", "the ds_config"), ("model", "the model")):
-        odd = [r for r, d in enumerate(everyone) if d[part] != reference[part]]
-        if not odd:
-            continue
-        where, ours, theirs = _where(reference[part], everyone[odd[0]][part], part)
+def _first_of_stage(gathered: list[torch.Tensor], digests: torch.Tensor) -> torch.Tensor:
+    """Rank 0's digests, with the model's taken from the first rank of the same pipeline
+    stage (every rank's, without a pipeline)."""
+    same = next(g for g in gathered if g[3] == digests[3])
+    return torch.stack([gathered[0][0], gathered[0][1], same[2], same[3]])
+
+
+def _first_difference(everyone: list[dict[str, Any]]) -> str:
+    first = everyone[0]
+    odd = [r for r, d in enumerate(everyone) if d["config"] != first["config"]]
+    if odd:
+        where, ours, theirs = _where(first["config"], everyone[odd[0]]["config"], "config")
         return (
-            f"the ranks were not given the same job: {what} differs at {where}: rank 0 has "
-            f"{ours}, rank {odd[0]} has {theirs} (ranks differing from rank 0: {odd})"
+            f"the ranks were not given the same job: the ds_config differs at {where}: rank 0 "
+            f"has {ours}, rank {odd[0]} has {theirs} (ranks differing from rank 0: {odd})"
+        )
+    reference = {d["stage"]: (r, d) for r, d in reversed(list(enumerate(everyone)))}
+    odd = [r for r, d in enumerate(everyone) if d["model"] != reference[d["stage"]][1]["model"]]
+    if odd:
+        ref_rank, ref = reference[everyone[odd[0]]["stage"]]
+        same = [r for r in odd if everyone[r]["stage"] == ref["stage"]]
+        where, ours, theirs = _where(ref["model"], everyone[odd[0]]["model"], "model")
+        return (
+            f"the ranks were not given the same job: the model differs at {where}: rank "
+            f"{ref_rank} has {ours}, rank {odd[0]} has {theirs} (ranks differing from rank "
+            f"{ref_rank}: {same})"
         )
     # Equal as mappings, so the model's parameters come in another order (another layout).
-    odd = [r for r, d in enumerate(everyone) if list(d["model"]) != list(reference["model"])]
+    odd = [
+        r
+        for r, d in enumerate(everyone)
+        if list(d["model"]) != list(reference[d["stage"]][1]["model"])
+    ]
     return (
         "the ranks were not given the same job: the model's parameters are registered in "
         f"another order on ranks {odd} than on rank 0"

@@ -32,6 +32,7 @@ from zerolap.runtime.inputs import check_same_inputs
 from zerolap.runtime.loss_scaler import build_loss_scaler
 from zerolap.runtime.memory import MemoryBreakdown, measure_memory
 from zerolap.runtime.nonfinite import NonFiniteGuard
+from zerolap.runtime.norm_share import counted_in_norm
 from zerolap.runtime.release import Attachments, take_over
 from zerolap.runtime.throughput import ThroughputTimer
 from zerolap.runtime.timers import WallClockBreakdown
@@ -317,10 +318,12 @@ class ZerolapEngine(torch.nn.Module):
                 unit_names=self.units.names,
             )
             return
+        alone = self._bucket_alone()
         self.layout = build_layout(
             [p.numel() for p in self.params],
             bucket_numel=zero.reduce_bucket_size,
             world_size=self.world_size,
+            alone=frozenset(i for i, p in enumerate(self.params) if id(p) in alone),
         )
         self.param_store = None
         if self.params:
@@ -419,8 +422,19 @@ class ZerolapEngine(torch.nn.Module):
             check_finite=self._config.precision != "bf16" or self._config.bf16.check_grad_overflow,
             sub_group_size=self._config.zero_optimization.sub_group_size,
             swap=self.offload.optimizer,
-            tensor_group=self.mesh.tensor_group,
+            model_group=self.mesh.model_group,
+            counted=counted_in_norm(self.params, self.mesh, copies=self._tied_copies()),
         )
+
+    def _tied_copies(self) -> frozenset[int]:
+        """Ids of parameters that are copies of a weight another pipeline stage holds too
+        (counted there, not here, in the global norm); none outside a pipeline."""
+        return frozenset()
+
+    def _bucket_alone(self) -> frozenset[int]:
+        """Ids of parameters that get a gradient bucket of their own: none outside a
+        pipeline."""
+        return frozenset()
 
     # -- training -----------------------------------------------------------------------------
 

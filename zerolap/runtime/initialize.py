@@ -6,6 +6,8 @@ import torch
 
 import zerolap.comm as dist
 from zerolap.config import ConfigError, load_config, parse_config, read_config
+from zerolap.pipe.engine import PipelineEngine, check_pipeline_config
+from zerolap.pipe.module import PipelineModule
 from zerolap.runtime.agreement import check_ranks_agree
 from zerolap.runtime.engine import ZerolapEngine
 from zerolap.runtime.lr_schedules import build_scheduler
@@ -161,6 +163,8 @@ def _dataloader(training_data, cfg, collate_fn, group):
 def _mesh(tp, mpu, model) -> tuple[Mesh, dict[int, torch.nn.Parameter]]:
     """The job's mesh, and the model split for tensor parallelism when the ds_config asks;
     with the split parameters that replaced dense ones, by ``id`` of the dense one."""
+    if isinstance(model, PipelineModule):
+        return build_mesh(pipe=model.num_stages), {}
     if mpu is None:
         mesh = build_mesh(tp.size)
     else:
@@ -255,11 +259,13 @@ def initialize(
     except ConfigError as error:
         parsed, invalid = None, error
     check_ranks_agree(parsed, model, invalid)  # before any collective the job shapes
+    check_pipeline_config(parsed, model, mpu)
     mesh, replaced = _mesh(parsed.tensor_parallel, mpu, model)
     model_parameters = _to_split(model_parameters, optimizer, replaced)
     cfg = load_config(source, world_size=mesh.dims.data)
     dist.configure(cfg.comms_logger)
-    engine = ZerolapEngine(
+    engine_class = PipelineEngine if isinstance(model, PipelineModule) else ZerolapEngine
+    engine = engine_class(
         module=model,
         config=cfg,
         ds_config=ds_config,

@@ -71,7 +71,7 @@ class OwnedRun:
     start: int
     end: int
     bucket: int
-    split: bool = False  # pieces of tensor-parallel parameters (counted apart in the norm)
+    counted: bool = True  # whether this rank counts it in the global norm (runtime.norm_share)
 
 
 @dataclass(frozen=True)
@@ -116,27 +116,28 @@ class FlatLayout:
         self,
         ranges: list[tuple[int, int]],
         group_of: list[int],
-        split_of: list[bool] | None = None,
+        counted_of: list[bool] | None = None,
     ) -> list[OwnedRun]:
         """Split flat ``ranges`` into maximal runs of parameters of one optimizer group inside
         one bucket, skipping padding. ``group_of[slot]`` is the group of each parameter;
-        ``split_of[slot]`` whether it is a tensor-parallel piece (a run holds one kind only).
+        ``counted_of[slot]`` whether this rank counts it in the global norm (a run holds one
+        kind only).
         (A bucket's chunk need not sit next to the previous one's: stage 3 may swap it.)"""
         runs: list[OwnedRun] = []
         for start, end in ranges:
             for slot, lo, hi in self.pieces(start, end):
                 group, bucket = group_of[slot], self.slots[slot].bucket
-                split = bool(split_of[slot]) if split_of is not None else False
+                counted = bool(counted_of[slot]) if counted_of is not None else True
                 last = runs[-1] if runs else None
-                if last is not None and (last.group, last.bucket, last.end, last.split) == (
+                if last is not None and (last.group, last.bucket, last.end, last.counted) == (
                     group,
                     bucket,
                     lo,
-                    split,
+                    counted,
                 ):
-                    runs[-1] = OwnedRun(group, last.start, hi, last.bucket, split)
+                    runs[-1] = OwnedRun(group, last.start, hi, last.bucket, counted)
                 else:
-                    runs.append(OwnedRun(group, lo, hi, bucket, split))
+                    runs.append(OwnedRun(group, lo, hi, bucket, counted))
         return runs
 
     def pieces(self, start: int, end: int) -> list[tuple[int, int, int]]:
@@ -150,17 +151,24 @@ class FlatLayout:
         return out
 
 
-def build_layout(numels: list[int], *, bucket_numel: int, world_size: int) -> FlatLayout:
+def build_layout(
+    numels: list[int], *, bucket_numel: int, world_size: int, alone: frozenset[int] = frozenset()
+) -> FlatLayout:
     """Lay out parameters of ``numels`` (already in gradient-ready order) into buckets of about
-    ``bucket_numel`` elements, each padded to a multiple of ``world_size``."""
+    ``bucket_numel`` elements, each padded to a multiple of ``world_size``. Parameters at the
+    indices ``alone`` get a bucket of their own (a pipeline's tied weight: its chunks are then
+    the same elements on every stage that holds it, whatever else each stage holds)."""
     if bucket_numel <= 0:
         raise ValueError(f"reduce_bucket_size must be positive, got {bucket_numel}")
     groups: list[list[int]] = []
     size = 0
-    for numel in numels:
-        if groups and groups[-1] and size + numel > bucket_numel:
+    previous_alone = False
+    for index, numel in enumerate(numels):
+        is_alone = index in alone
+        if groups and groups[-1] and (size + numel > bucket_numel or is_alone or previous_alone):
             groups.append([])
             size = 0
+        previous_alone = is_alone
         if not groups:
             groups.append([])
         groups[-1].append(numel)

@@ -35,7 +35,6 @@ from collections.abc import Callable, Iterator
 import torch
 
 import zerolap.comm as dist
-from zerolap.tensor_parallel.layers import is_tensor_parallel
 from zerolap.zero.layout import FlatLayout
 from zerolap.zero.sub_groups import split_runs
 
@@ -115,7 +114,8 @@ class ZeroOptimizer:
         check_finite: bool = True,
         sub_group_size: int = 1_000_000_000,
         swap=None,
-        tensor_group=None,
+        model_group=None,
+        counted: list[bool] | None = None,
     ) -> None:
         self.inner = inner
         self.layout = layout
@@ -129,26 +129,28 @@ class ZeroOptimizer:
         # fp16 scaling has its own check). Off only for bf16 with check_grad_overflow false.
         self.check_finite = check_finite
         self.loss_scaler = loss_scaler
-        # Tensor parallelism: the ranks holding the other pieces of this rank's split
-        # parameters (None without it); overflow and norm agree over them as well.
-        self.tensor_group = tensor_group
-        self._count_replicated = tensor_group is None or dist.get_rank(tensor_group) == 0
+        # Tensor and pipeline parallelism: the ranks holding the other pieces of this rank's
+        # copy of the model (None without them); overflow and norm agree over them as well.
+        self.model_group = model_group
         # The client's param groups as it built them, before they are re-pointed at runs:
         # what a stage-0 DeepSpeed checkpoint's optimizer entries are numbered by.
         self.client_groups = [list(group["params"]) for group in inner.param_groups]
         groups = slot_groups(inner, params)
-        split_of = [is_tensor_parallel(p) for p in params]
-        runs = [r for r in layout.runs(owned_ranges, groups, split_of) if r.group >= 0]
+        # Whether each parameter's squares count in the global norm on this rank: a parameter
+        # held by several model ranks alike (replicated across the tensor group, or tied across
+        # pipeline stages) is counted by one of them (``runtime.norm_share``).
+        counted = counted if counted is not None else [True] * len(params)
+        runs = [r for r in layout.runs(owned_ranges, groups, counted) if r.group >= 0]
         positions = [to_shard(r.bucket, r.start) for r in runs]
         self.runs, self.positions, self.sub_groups = split_runs(runs, positions, sub_group_size)
         # Mixed precision steps on an fp32 master copy; fp32 parameters are their own master,
         # unless they are swapped to disk (offload_param nvme): then a master keeps the
         # optimizer off the swap's few buffers, and the chunks are written once per step.
         self.mixed = self.store.dtype != torch.float32 or self.store.swap is not None
-        # What each run's squares count for in the global norm on this rank: everything,
-        # or (tensor ranks other than 0) only the pieces of split parameters.
+        # What each run's squares count for in the global norm on this rank.
+        self._count_all = all(r.counted for r in self.runs)
         self._norm_weights = torch.tensor(
-            [1.0 if self._count_replicated or r.split else 0.0 for r in self.runs] or [1.0],
+            [1.0 if r.counted else 0.0 for r in self.runs] or [1.0],
             dtype=torch.float64,
             device=self.store.device,
         )
@@ -249,8 +251,8 @@ class ZeroOptimizer:
         parallelism, those holding the other pieces of the model (one host sync)."""
         if self.sharded:
             dist.all_reduce(value, op=op, group=self.group)
-        if self.tensor_group is not None:
-            dist.all_reduce(value, op=op, group=self.tensor_group)
+        if self.model_group is not None:
+            dist.all_reduce(value, op=op, group=self.model_group)
         return value.item()
 
     def step(self) -> bool:
@@ -326,7 +328,7 @@ class ZeroOptimizer:
         """This rank's weighted sum of squared run norms, computed in ``dtype``, as float64."""
         norms = torch._foreach_norm(grads, 2, dtype=dtype) if grads else [self._zero]
         squares = torch.stack([n.double() for n in norms]).pow(2)
-        if not self._count_replicated:
+        if not self._count_all:
             squares = squares * self._norm_weights
         return squares.sum().reshape(1)
 

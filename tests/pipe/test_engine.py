@@ -1,0 +1,200 @@
+"""The pipeline engine against one process doing gradient accumulation over the same
+micro-batches: losses, global gradient norms and every parameter within 1e-6 (fp32), with a
+tied embedding / LM head across the first and last stages, AdamW and clipping; p = 2 and 4,
+m = 4 and 8, and data parallelism 2 x pipeline 2 under ZeRO stages 1 and 2."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import zerolap
+from tests.multiproc import RankFailure, run_on_ranks
+from tests.pipe import models
+from zerolap.config import ConfigError
+from zerolap.pipe import PipeError, PipelineError
+
+STEPS = 10
+
+
+def _config(stage: int, gas: int, clip: float = models.CLIP, **extra) -> dict:
+    return {
+        "train_micro_batch_size_per_gpu": models.MICRO,
+        "gradient_accumulation_steps": gas,
+        "gradient_clipping": clip,
+        "optimizer": {"type": "AdamW", "params": {"lr": models.LR, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 300},
+        **extra,
+    }
+
+
+def train(stages: int, gas: int, stage: int, steps: int = STEPS):
+    module = models.pipeline(stages)
+    engine, *_ = zerolap.initialize(model=module, config=_config(stage, gas))
+    data, data_rank = engine.dp_world_size, engine.get_data_parallel_rank()
+    losses, norms = [], []
+    for step in range(steps):
+        batches = models.micro_batches(step, gas, data, data_rank)
+        losses.append(engine.train_batch(iter(batches)).item())
+        norms.append(engine.get_global_grad_norm())
+    params = {n: p.detach().clone() for n, p in module.named_parameters()}
+    return losses, norms, params, engine.last_stats
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+@pytest.mark.parametrize(
+    ("world", "stages", "gas", "stage"),
+    [(2, 2, 4, 1), (2, 2, 8, 0), (4, 4, 4, 1), (4, 4, 8, 2), (4, 2, 4, 1), (4, 2, 4, 2)],
+    ids=["p2-m4-z1", "p2-m8-z0", "p4-m4-z1", "p4-m8-z2", "dp2xpp2-z1", "dp2xpp2-z2"],
+)
+def test_pipeline_equals_gradient_accumulation(ranks, world, stages, gas, stage):
+    results = ranks(world).run(train, stages, gas, stage)
+    ref_losses, ref_norms, ref_params = models.reference(STEPS, gas, world // stages)
+    merged: dict[str, torch.Tensor] = {}
+    for losses, norms, params, stats in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-6)  # on every stage, as DeepSpeed
+        assert norms == pytest.approx(ref_norms, rel=1e-6)
+        for name, value in params.items():
+            if name in merged:  # data-parallel copies and the tied weight's stages agree
+                assert torch.equal(merged[name], value), name
+            merged[name] = value
+        assert stats["micro_batches"] == gas
+    assert set(merged) == set(ref_params)
+    worst = max((_relative(merged[n], ref_params[n]), n) for n in ref_params)
+    assert worst[0] < 1e-6, worst
+
+
+def train_and_evaluate(batches: int) -> tuple[list[float], list[float]]:
+    engine, *_ = zerolap.initialize(model=models.pipeline(2), config=_config(1, 2))
+    data, data_rank = engine.dp_world_size, engine.get_data_parallel_rank()
+    losses, evals = [], []
+    for step in range(batches):
+        batch = models.micro_batches(step, 2, data, data_rank)
+        losses.append(engine.train_batch(iter(batch)).item())
+        if step % 10 == 0:
+            evals.append(engine.eval_batch(iter(batch)).item())
+    return losses, evals
+
+
+def test_two_hundred_batches_with_evaluation_between(ranks):
+    losses, evals = ranks(2).run(train_and_evaluate, 200)[0]
+    assert len(losses) == 200 and len(evals) == 20
+    assert losses[-1] < losses[0]
+
+
+def evaluate_against_plain(batches: int):
+    engine, *_ = zerolap.initialize(model=models.pipeline(2), config=_config(0, 2))
+    batch = models.micro_batches(0, 2, 1, 0)
+    loss, logits = engine.eval_batch(iter(batch), return_logits=True)
+    return loss.item(), logits
+
+
+def test_eval_batch_is_the_plain_forward(ranks):
+    results = ranks(2).run(evaluate_against_plain, 1)
+    plain = models.pipeline(1)
+    batch = models.micro_batches(0, 2, 1, 0)
+    with torch.no_grad():
+        expected = [plain(tokens) for tokens, _ in batch]
+        loss = torch.stack(
+            [models.loss_fn(o, t) for o, (_, t) in zip(expected, batch, strict=True)]
+        ).mean()
+    assert results[0][0] == pytest.approx(loss.item(), rel=1e-6)
+    assert results[0][1] is None  # logits live on the last stage
+    for got, want in zip(results[1][1], expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+# -- errors ------------------------------------------------------------------------------------
+
+
+def initialize_with(config_changes: dict, stages: int = 2):
+    config = {**_config(1, 4), **config_changes}
+    try:
+        zerolap.initialize(model=models.pipeline(stages), config=config)
+    except (ConfigError, ValueError) as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"gradient_accumulation_steps": 1}, "fewer micro-batches than the 2 pipeline stages"),
+        ({"zero_optimization": {"stage": 3}}, "zero_optimization.stage=3 with a PipelineModule"),
+        ({"pipeline": {"stages": 4}}, "pipeline.stages=4 (the module has 2)"),
+        ({"pipeline": {"seed_layers": False}}, "pipeline.seed_layers=False (the module has True)"),
+        ({"tensor_parallel": {"autotp_size": 2}}, "tensor parallelism with a PipelineModule"),
+    ],
+    ids=["micro-batches", "stage3", "stages", "seed_layers", "tp"],
+)
+def test_misconfigured_pipeline_fails_before_training(ranks, changes, message):
+    for answer in ranks(2).run(initialize_with, changes):
+        assert answer is not None and message in answer[1], answer
+
+
+def misuse():
+    engine, *_ = zerolap.initialize(model=models.pipeline(2), config=_config(1, 2))
+    errors = []
+    for call in (lambda: engine(torch.zeros(1)), lambda: engine.backward(None), engine.step):
+        try:
+            call()
+        except PipelineError as error:
+            errors.append(str(error))
+    try:
+        engine.train_batch()
+    except PipelineError as error:
+        errors.append(str(error))
+    return errors
+
+
+def test_forward_backward_step_are_refused(ranks):
+    errors = ranks(2).run(misuse)[0]
+    assert len(errors) == 4
+    assert "train_batch() or eval_batch()" in errors[0]
+    assert "no data" in errors[3]
+
+
+def test_too_few_layers_for_the_stages_is_named():
+    with pytest.raises(ValueError, match="3 layer\\(s\\) cannot be split into 4 pipeline stages"):
+        from zerolap.pipe.partition import balanced_bounds
+
+        balanced_bounds([1, 1, 1], 4)
+
+
+def die_in_forward(micro_batch: int):
+    """Stage 1 exits in the forward of ``micro_batch`` of the second train_batch."""
+    engine, *_ = zerolap.initialize(model=models.pipeline(2), config=_config(1, 4))
+    seen = {"forwards": 0}
+    if engine.stage_id == 1:
+
+        def hook(*_):
+            seen["forwards"] += 1
+            if seen["forwards"] == 4 + micro_batch + 1:
+                os._exit(9)
+
+        engine.module.register_forward_pre_hook(hook)
+    for step in range(3):
+        try:
+            engine.train_batch(iter(models.micro_batches(step, 4, 1, 0)))
+        except PipeError as error:
+            return str(error)
+    return None
+
+
+def test_a_dead_stage_is_named_with_its_micro_batch():
+    with pytest.raises(RankFailure) as failure:
+        run_on_ranks(die_in_forward, 2, 2, timeout=60)
+    ok, message = failure.value.answers[0]
+    assert ok, message
+    # Stage 1 had sent the gradients of micro-batches 0 and 1 (1F1B) and died in the forward
+    # of micro-batch 2: the one stage 0 names.
+    assert (
+        "pipeline stage 0 (rank 0) waiting for the gradients of micro-batch 2 from stage 1 "
+        in message
+    )
+    assert failure.value.answers[1] == (False, "rank 1 exited with code 9")

@@ -1,0 +1,107 @@
+"""The pure parts of zerolap.pipe: the layer split, the 1F1B schedule (deadlock-free, bubble as
+the theory says), the metadata encoding, and the (pipe, data, tensor) mesh arithmetic."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from zerolap.pipe.p2p import TensorMeta, _decode, _encode
+from zerolap.pipe.partition import balanced_bounds, layer_weights
+from zerolap.pipe.schedule import Op, one_f_one_b, simulate, theoretical_bubble
+from zerolap.topology import ParallelDims
+
+
+@pytest.mark.parametrize(
+    ("weights", "stages", "bounds"),
+    [
+        ([1, 1, 1, 1], 2, [0, 2, 4]),
+        ([5, 1, 1, 1, 1, 1], 2, [0, 1, 6]),
+        ([0, 3, 3, 3, 3, 0, 1], 2, [0, 3, 7]),
+        ([1, 1, 1], 3, [0, 1, 2, 3]),
+        ([10, 0, 0, 0], 4, [0, 1, 2, 3, 4]),
+        ([2, 2, 2, 2, 2, 2, 2, 2], 4, [0, 2, 4, 6, 8]),
+    ],
+)
+def test_balanced_bounds(weights, stages, bounds):
+    assert balanced_bounds(weights, stages) == bounds
+
+
+def test_balanced_bounds_minimises_the_heaviest_stage():
+    weights = [7, 3, 9, 1, 1, 8, 2, 6, 4, 5]
+    bounds = balanced_bounds(weights, 3)
+    heaviest = max(sum(weights[a:b]) for a, b in itertools.pairwise(bounds))
+    best = min(
+        max(sum(weights[:i]), sum(weights[i:j]), sum(weights[j:]))
+        for i in range(1, len(weights))
+        for j in range(i + 1, len(weights))
+    )
+    assert heaviest == best
+
+
+def test_partition_methods():
+    names = ["Embed", "Block", "Block", "LayerNorm", "function"]
+    counts = [100, 50, 50, 2, 0]
+    assert layer_weights("parameters", param_counts=counts, type_names=names) == counts
+    assert layer_weights("uniform", param_counts=counts, type_names=names) == [1] * 5
+    assert layer_weights("type:block", param_counts=counts, type_names=names) == [0, 1, 1, 0, 0]
+    with pytest.raises(ValueError, match="no layer's class name matches"):
+        layer_weights("type:attention", param_counts=counts, type_names=names)
+    with pytest.raises(ValueError, match="partition_method='best'"):
+        layer_weights("best", param_counts=counts, type_names=names)
+
+
+@pytest.mark.parametrize(("stages", "micro_batches"), [(2, 4), (2, 8), (4, 4), (4, 8), (3, 7)])
+def test_one_f_one_b_runs_every_micro_batch_and_reaches_the_theoretical_bubble(
+    stages, micro_batches
+):
+    schedules = [
+        one_f_one_b(stages=stages, stage=s, micro_batches=micro_batches) for s in range(stages)
+    ]
+    for schedule in schedules:
+        forwards = [s.micro_batch for s in schedule if s.op is Op.FORWARD]
+        backwards = [s.micro_batch for s in schedule if s.op is Op.BACKWARD]
+        assert forwards == backwards == list(range(micro_batches))
+    for stage, schedule in enumerate(schedules):  # never more in flight than p - s
+        alive = peak = 0
+        for step in schedule:
+            alive += 1 if step.op is Op.FORWARD else -1
+            peak = max(peak, alive)
+        assert peak == min(stages - stage, micro_batches)
+    for busy, span in simulate(schedules, forward_s=1.0, backward_s=2.0):
+        assert 1 - busy / span == pytest.approx(
+            theoretical_bubble(stages=stages, micro_batches=micro_batches)
+        )
+
+
+def test_simulate_names_a_deadlock():
+    wrong = [
+        one_f_one_b(stages=2, stage=0, micro_batches=2),
+        list(reversed(one_f_one_b(stages=2, stage=1, micro_batches=2))),
+    ]
+    with pytest.raises(RuntimeError, match="deadlocks"):
+        simulate(wrong)
+
+
+def test_metadata_round_trip():
+    metas = (
+        TensorMeta((2, 6, 16), torch.float32, True),
+        TensorMeta((2, 6), torch.int64, False),
+        TensorMeta((), torch.bfloat16, False),
+    )
+    assert _decode(_encode(metas).tolist()) == metas
+
+
+def test_mesh_puts_stages_outermost_and_tensor_ranks_consecutive():
+    dims = ParallelDims(8, tensor=2, pipe=2)
+    assert dims.data == 2
+    assert dims.coordinates(5) == (1, 0, 1)
+    assert dims.rank_of(1, 0, 1) == 5
+    assert dims.tensor_ranks(1, pipe_rank=1) == [6, 7]
+    assert dims.data_ranks(0, pipe_rank=1) == [4, 6]
+    assert dims.pipe_ranks(1, 1) == [3, 7]
+    assert dims.model_ranks(0) == [0, 1, 4, 5]
+    with pytest.raises(ValueError, match=r"3 pipeline stages x tensor_parallel\.autotp_size=2"):
+        ParallelDims(8, tensor=2, pipe=3)

@@ -1,0 +1,37 @@
+"""``pipeline``: DeepSpeed's pipeline section, read where a ``PipelineModule`` is trained.
+
+DeepSpeed's engine reads only ``pipe_partitioned`` and ``grad_partitioned`` (activations and
+their gradients split across the tensor group on their way between stages); its other keys
+describe the ``PipelineModule`` that Megatron-DeepSpeed builds from them. zerolap checks those
+against the module given to ``initialize``: a value set here that the module contradicts is an
+error naming both, never a silent difference.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from zerolap.config.section import ConfigSection
+
+__all__ = ["PipelineConfig"]
+
+
+class PipelineConfig(ConfigSection):
+    stages: int | Literal["auto"] = "auto"
+    """Pipeline stages; ``auto`` takes the ``PipelineModule``'s ``num_stages``, a number must
+    equal it."""
+    partition: str = "best"
+    """How layers are split; ``best`` takes the module's ``partition_method``, anything else
+    (``parameters``, ``uniform``, ``type:<regex>``) must equal it."""
+    seed_layers: bool | None = None
+    """When set, must equal the module's ``seed_layers``."""
+    activation_checkpoint_interval: int | None = Field(None, ge=0)
+    """When set, must equal the module's ``activation_checkpoint_interval``."""
+    pipe_partitioned: bool = True
+    """DeepSpeed splits activations across the tensor group between stages. Pipelines run
+    without tensor parallelism here (one rank per stage copy), so there is nothing to split and
+    either value trains identically, as in DeepSpeed at tensor size 1."""
+    grad_partitioned: bool = True
+    """The same for the gradients going back."""

@@ -1,0 +1,433 @@
+"""``PipelineEngine``: DeepSpeed's ``train_batch`` / ``eval_batch`` over a ``PipelineModule``.
+
+One ``train_batch`` runs ``gradient_accumulation_steps`` micro-batches through the 1F1B
+schedule (``pipe.schedule``) and steps once. Each stage is a ZeRO engine of its own layers over
+its data-parallel group (stages 0-2): its backward passes are the engine's backward passes, with
+the last micro-batch's reducing the gradients while it runs, and the step is the engine's step,
+with the norm for clipping and the overflow check agreed over the whole pipeline.
+
+Per step, in order:
+1. post the receives the next steps need (activations from the previous stage, gradients from
+   the next), so they arrive while this stage computes;
+2. forward (inputs from the data on the first stage, received on the others; the last stage
+   computes the loss from its labels) and send the outputs on, asynchronously;
+3. backward (the loss, scaled, on the last stage; the received gradients of the outputs on the
+   others) and send the inputs' gradients back, asynchronously.
+At the end: the sends drained, tied weights' gradients summed over the stages holding them, the
+optimizer step, and the loss averaged over micro-batches and data-parallel copies and broadcast
+to every stage (what ``train_batch`` returns on every rank, as in DeepSpeed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+import zerolap.comm as dist
+from zerolap.config import ConfigError
+from zerolap.pipe.module import PipelineModule
+from zerolap.pipe.p2p import StageLink
+from zerolap.pipe.schedule import Op, Step, forward_only, one_f_one_b, theoretical_bubble
+from zerolap.runtime.engine import ZerolapEngine
+
+__all__ = ["PipelineEngine", "PipelineError", "check_pipeline_config"]
+
+
+class PipelineError(RuntimeError):
+    """A pipeline engine used as it cannot be (DeepSpeed's name)."""
+
+
+def check_pipeline_config(config, model, mpu) -> None:
+    """Before any collective: the ds_config's ``pipeline`` section and ZeRO stage against the
+    model (a ``PipelineModule`` or not); every rank raises alike."""
+    section = config.pipeline
+    if not isinstance(model, PipelineModule):
+        if section.stages not in ("auto", 1):
+            raise ConfigError(
+                f"pipeline.stages={section.stages} but the model is a "
+                f"{type(model).__name__}: pipeline parallelism needs a zerolap.pipe."
+                "PipelineModule (deepspeed.pipe.PipelineModule)"
+            )
+        return
+    problems = []
+    if section.stages not in ("auto", model.num_stages):
+        problems.append(f"pipeline.stages={section.stages} (the module has {model.num_stages})")
+    if section.partition not in ("best", model.partition_method):
+        problems.append(
+            f"pipeline.partition={section.partition!r} (the module's partition_method is "
+            f"{model.partition_method!r})"
+        )
+    for key in ("seed_layers", "activation_checkpoint_interval"):
+        value = getattr(section, key)
+        if value is not None and value != getattr(model, key):
+            problems.append(f"pipeline.{key}={value} (the module has {getattr(model, key)})")
+    if problems:
+        raise ConfigError(
+            "the ds_config's pipeline section contradicts the PipelineModule: "
+            + "; ".join(problems)
+        )
+    if config.zero_optimization.stage == 3:
+        raise ConfigError(
+            "zero_optimization.stage=3 with a PipelineModule: a pipeline stage keeps its "
+            "layers' parameters whole between micro-batches; use stage 0, 1 or 2 (each shards "
+            "over the stage's data-parallel group)"
+        )
+    if config.tensor_parallel.size > 1 or mpu is not None or model.dims.tensor > 1:
+        raise ConfigError(
+            "tensor parallelism with a PipelineModule (3D) is not supported yet: use "
+            "tensor_parallel.autotp_size=1, no mpu, and a topology without a model axis"
+        )
+
+
+@dataclass
+class _Batch:
+    """One train_batch's or eval_batch's state, dropped at its end."""
+
+    micro_batches: int
+    train: bool
+    inputs: dict[int, tuple] = field(default_factory=dict)  # kept for their gradients
+    outputs: dict[int, object] = field(default_factory=dict)  # the loss on the last stage
+    activations: dict[int, object] = field(default_factory=dict)  # receives posted
+    grads: dict[int, object] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    logits: list = field(default_factory=list)
+    compute_s: float = 0.0
+
+
+class PipelineEngine(ZerolapEngine):
+    def __init__(self, *, module: PipelineModule, **kwargs) -> None:
+        super().__init__(module=module, **kwargs)
+        mesh = self.mesh
+        self.num_stages = mesh.dims.pipe
+        self.stage_id = mesh.pipe_rank
+        self.micro_batches = self.gradient_accumulation_steps()
+        if self.micro_batches < self.num_stages:
+            raise ConfigError(
+                f"gradient_accumulation_steps={self.micro_batches} gives each train_batch fewer "
+                f"micro-batches than the {self.num_stages} pipeline stages; use at least "
+                f"{self.num_stages} (many more keep the bubble small)"
+            )
+        dynamic = module.dynamic_shape
+        self._prev = self._next = None
+        if self.stage_id > 0:
+            self._prev = StageLink(
+                stage=self.stage_id,
+                peer_stage=self.stage_id - 1,
+                peer_rank=mesh.stage_rank(self.stage_id - 1),
+                dynamic_shape=dynamic,
+            )
+        if self.stage_id < self.num_stages - 1:
+            self._next = StageLink(
+                stage=self.stage_id,
+                peer_stage=self.stage_id + 1,
+                peer_rank=mesh.stage_rank(self.stage_id + 1),
+                dynamic_shape=dynamic,
+            )
+        self.data_iterator: Iterator | None = None
+        self.last_stats: dict | None = None  # the last train_batch's measurements
+
+    # -- construction hooks (called by ZerolapEngine.__init__) ----------------------------------
+
+    def _tie_owners(self) -> dict[str, list[int]]:
+        """Ties this stage shares with another: key -> the stages holding it."""
+        return {
+            key: stages
+            for key, stages in self.module.tied_keys().items()
+            if len(stages) > 1 and self.mesh.pipe_rank in stages
+        }
+
+    def _tied_params(self) -> list[torch.nn.Parameter]:
+        return [p for key in self._tie_owners() for p in self.module.tied_weights(key)]
+
+    def _tied_copies(self) -> frozenset[int]:
+        stage = self.mesh.pipe_rank
+        return frozenset(
+            id(p)
+            for key, stages in self._tie_owners().items()
+            if stages[0] != stage
+            for p in self.module.tied_weights(key)
+        )
+
+    def _bucket_alone(self) -> frozenset[int]:
+        return frozenset(id(p) for p in self._tied_params())
+
+    def _broadcast_initial_state(self) -> None:
+        """Every stage's copy of a tied weight starts as the lowest holder's (after the
+        data-parallel copies agreed). Every rank creates every tie group, in one order."""
+        super()._broadcast_initial_state()
+        dims, mine = self.mesh.dims, self.mesh
+        self._tie_groups: dict[str, object] = {}
+        for key, stages in sorted(self.module.tied_keys().items()):
+            if len(stages) < 2:
+                continue
+            for data in range(dims.data):
+                for tensor in range(dims.tensor):
+                    ranks = [dims.rank_of(s, data, tensor) for s in stages]
+                    group = dist.new_group(ranks)
+                    if self.global_rank in ranks:
+                        self._tie_groups[key] = group
+        for key, group in self._tie_groups.items():
+            owner = mine.stage_rank(self.module.tied_keys()[key][0])
+            for param in self.module.tied_weights(key):
+                dist.broadcast(param.data, src=owner, group=group)
+
+    # -- DeepSpeed's pipeline interface --------------------------------------------------------
+
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def set_dataiterator(self, iterator: Iterator) -> None:
+        self.data_iterator = iterator
+
+    def forward(self, *args, **kwargs):
+        raise PipelineError("a pipeline engine runs forward through train_batch() or eval_batch()")
+
+    def backward(self, *args, **kwargs):
+        raise PipelineError("a pipeline engine runs backward inside train_batch()")
+
+    def step(self, *args, **kwargs):
+        raise PipelineError("a pipeline engine steps inside train_batch()")
+
+    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
+        """One optimizer step over ``gradient_accumulation_steps`` micro-batches, each
+        ``(inputs, labels)`` from ``data_iter`` (read on the first and last stages only);
+        returns the mean loss on every rank."""
+        self._require_optimizer("train_batch")
+        if not torch.is_grad_enabled():
+            raise PipelineError("train_batch() under torch.no_grad(); use eval_batch()")
+        data = self._data(data_iter)
+        self.module.train()
+        self.tput_timer.start()
+        batch = _Batch(self.micro_batches, train=True)
+        stats = self._run(
+            one_f_one_b(
+                stages=self.num_stages, stage=self.stage_id, micro_batches=self.micro_batches
+            ),
+            batch,
+            data,
+        )
+        self._reduce_tied_grads()
+        self._boundary = True
+        try:
+            ZerolapEngine.step(self)
+        finally:
+            self._boundary = None
+        self.micro_steps += self.micro_batches - 1
+        self.last_stats = stats
+        return self._aggregate(batch.losses, broadcast=True)
+
+    def eval_batch(
+        self,
+        data_iter: Iterator | None = None,
+        return_logits: bool = False,
+        compute_loss: bool = True,
+        reduce_output: str | None = "avg",
+        bcast_loss: bool = True,
+        num_micro_batches: int | None = None,
+    ):
+        """Forward only over ``num_micro_batches`` (default: the accumulation steps); returns
+        the loss averaged over micro-batches (``reduce_output='avg'``) and data-parallel
+        copies, on every rank with ``bcast_loss`` (else on the last stage only), and with
+        ``return_logits`` the last stage's outputs too."""
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+        micro_batches = num_micro_batches or self.micro_batches
+        data = self._data(data_iter)
+        self.module.eval()
+        batch = _Batch(micro_batches, train=False)
+        self._compute_loss = compute_loss
+        try:
+            with torch.no_grad():
+                self._run(forward_only(micro_batches=micro_batches), batch, data)
+        finally:
+            self._compute_loss = True
+            self.module.train()
+        if reduce_output is None:
+            out = batch.losses if self.is_last_stage() else None
+        else:
+            out = self._aggregate(batch.losses, broadcast=bcast_loss, scalar=compute_loss)
+        if return_logits:
+            return out, (batch.logits if self.is_last_stage() else None)
+        return out
+
+    # -- the schedule ---------------------------------------------------------------------------
+
+    _compute_loss = True
+
+    def _data(self, data_iter: Iterator | None) -> Iterator | None:
+        if data_iter is not None:
+            return data_iter
+        if self.data_iterator is None and (self.is_first_stage() or self.is_last_stage()):
+            raise PipelineError(
+                "no data: pass train_batch(data_iter=...) or call set_dataiterator() on the "
+                "first and last stages"
+            )
+        return self.data_iterator
+
+    def _run(self, steps: list[Step], batch: _Batch, data: Iterator | None) -> dict:
+        start = time.perf_counter()
+        waited = self._link_waits()
+        for index, step in enumerate(steps):
+            self._post_ahead(steps, index, batch)
+            if step.op is Op.FORWARD:
+                self._forward(step.micro_batch, batch, data)
+            else:
+                self._backward(step.micro_batch, batch)
+            for link in (self._prev, self._next):
+                if link is not None:
+                    link.reap()
+        for link in (self._prev, self._next):
+            if link is not None:
+                link.drain()
+        wall = time.perf_counter() - start
+        return {
+            "stage": self.stage_id,
+            "micro_batches": batch.micro_batches,
+            "schedule_s": wall,
+            "compute_s": batch.compute_s,
+            "p2p_wait_s": self._link_waits() - waited,
+            "bubble": 1.0 - batch.compute_s / wall if wall > 0 else 0.0,
+            "bubble_theory": theoretical_bubble(
+                stages=self.num_stages, micro_batches=batch.micro_batches
+            ),
+        }
+
+    def _link_waits(self) -> float:
+        return sum(link.wait_s for link in (self._prev, self._next) if link is not None)
+
+    def _post_ahead(self, steps: list[Step], index: int, batch: _Batch) -> None:
+        """The receives of this step and of the next forward and backward after it, posted
+        before this step computes, so they arrive meanwhile (the metadata, when unknown, is
+        awaited here). At most one message ahead per direction is held."""
+        wanted = {Op.FORWARD: 2, Op.BACKWARD: 2}
+        for position in range(index, len(steps)):
+            step = steps[position]
+            if not any(wanted.values()):
+                break
+            if not wanted[step.op]:
+                continue
+            wanted[step.op] -= 1
+            mb = step.micro_batch
+            if step.op is Op.FORWARD and self._prev is not None and mb not in batch.activations:
+                if self._prev.dynamic_shape and position != index:
+                    continue  # its shape is known only once its metadata arrives
+                batch.activations[mb] = self._prev.post_activations(mb, batch.train)
+            elif (
+                step.op is Op.BACKWARD
+                and self._next is not None
+                and mb not in batch.grads
+                and mb in batch.outputs  # its forward ran: the gradients' shapes are known
+            ):
+                batch.grads[mb] = self._next.post_grads(mb, batch.outputs[mb])
+
+    def _forward(self, mb: int, batch: _Batch, data: Iterator | None) -> None:
+        sample = next(data) if (self.is_first_stage() or self.is_last_stage()) else None
+        if self.is_first_stage():
+            inputs = sample[0] if isinstance(sample[0], tuple) else (sample[0],)
+        else:
+            inputs = tuple(self._prev.wait(batch.activations.pop(mb)))
+        start = time.perf_counter()
+        out = self.module(inputs if len(inputs) > 1 else inputs[0])
+        if self.is_last_stage():
+            loss_fn = self.module.loss_fn
+            if loss_fn is not None and self._compute_loss:
+                out, logits = loss_fn(out, sample[1]), out
+                if not batch.train:
+                    batch.logits.append(logits)
+            batch.losses.append(out.detach())
+            if batch.train:
+                batch.outputs[mb] = out
+        else:
+            outs = out if isinstance(out, tuple) else (out,)
+            for i, tensor in enumerate(outs):
+                if not isinstance(tensor, torch.Tensor):
+                    raise PipelineError(
+                        f"pipeline stage {self.stage_id}'s output {i} is a "
+                        f"{type(tensor).__name__}; a stage passes a tensor or a tuple of tensors"
+                    )
+            if batch.train:
+                batch.outputs[mb] = outs
+        end = time.perf_counter()
+        batch.compute_s += end - start
+        self._phase_recorders("forward", start, end)
+        if batch.train and not self.is_first_stage():
+            batch.inputs[mb] = inputs
+        if not self.is_last_stage():
+            self._next.send_activations(outs, mb, batch.train)
+
+    def _backward(self, mb: int, batch: _Batch) -> None:
+        outputs = batch.outputs.pop(mb)
+        if not self.is_last_stage():
+            grads = self._next.wait(batch.grads.pop(mb))
+            tensors = [t for t in outputs if t.requires_grad]
+        self._boundary = mb == batch.micro_batches - 1
+        self._open_backward("engine")
+        start = time.perf_counter()
+        try:
+            if self.is_last_stage():
+                self.nonfinite.observe_loss(outputs)
+                scale = self.loss_scaler.loss_scale / batch.micro_batches
+                (outputs.float() * scale).backward()
+            else:
+                torch.autograd.backward(tensors, grads)
+        except BaseException:
+            self._backward_kind = None
+            raise
+        self._close_backward(start)
+        batch.compute_s += time.perf_counter() - start
+        if not self.is_first_stage():
+            inputs = batch.inputs.pop(mb)
+            back = tuple(
+                t.grad if t.grad is not None else torch.zeros_like(t)
+                for t in inputs
+                if t.requires_grad
+            )
+            self._prev.send_grads(back, mb)
+
+    def _reduce_tied_grads(self) -> None:
+        """A tied weight's gradient is the sum of its stages' (each already averaged over its
+        data-parallel group): one all-reduce per tied parameter over its tie group, on this
+        rank's part of the reduced gradient (its chunk when gradients are sharded: the same
+        elements on every stage, the weight having a bucket of its own)."""
+        if not self._tie_groups:
+            return
+        slot_of = {id(p): i for i, p in enumerate(self.params)}
+        chunked = self.plan.shard_gradients or self.plan.reduce_scatter
+        rank = dist.get_rank(self.group)
+        for key, group in self._tie_groups.items():
+            for param in self.module.tied_weights(key):
+                slot = self.layout.slots[slot_of[id(param)]]
+                bucket = self.layout.buckets[slot.bucket]
+                start, end = bucket.chunk(rank) if chunked else (bucket.start, bucket.end)
+                position = self.layout.shard_position(slot.bucket, start) if chunked else 0
+                dist.all_reduce(self.grads.view(start, end, position), group=group)
+
+    def _aggregate(self, values: list[torch.Tensor], *, broadcast: bool, scalar: bool = True):
+        """The last stage's ``values`` averaged over micro-batches (losses as their mean; other
+        outputs element by element) and over data-parallel copies; broadcast to every stage
+        of the pipeline when asked, else None off the last stage."""
+        if self.is_last_stage():
+            if scalar:
+                value = torch.stack([v.float().mean() for v in values]).mean()
+            else:
+                value = torch.stack([v.float() for v in values]).mean(0)
+            if self.mesh.dims.data > 1:
+                dist.all_reduce(value, group=self.group)
+                value /= self.mesh.dims.data
+        if not (broadcast and self.num_stages > 1):
+            return value if self.is_last_stage() else None
+        src = self.mesh.stage_rank(self.num_stages - 1)
+        group = self.mesh.pipe_group
+        shape = [tuple(value.shape) if self.is_last_stage() else None]
+        if not scalar:  # the other stages learn the outputs' shape first
+            dist.broadcast_object_list(shape, src=src, group=group)
+        if not self.is_last_stage():
+            value = torch.zeros(shape[0] or (), dtype=torch.float32)
+        dist.broadcast(value, src=src, group=group)
+        return value
