@@ -16,7 +16,6 @@ ACCEPTED = {
     "autotuning": {"enabled": True},
     "checkpoint": {"tag_validation": "Warn"},
     "data_types": {"grad_accum_dtype": "fp32"},
-    "pipeline": {"stages": "auto"},
     "hybrid_engine": {"enabled": True},
     "compile": {"deepcompile": True},
     "zero_allow_untested_optimizer": True,
@@ -66,3 +65,11 @@ def test_values_that_would_change_the_results_are_errors(key, value):
 
 def test_gradient_allreduce_op_mean_is_fine():
     assert load({"gradient_allreduce_op": "Mean"}).gradient_allreduce_op == "mean"
+
+
+def test_pipeline_section_is_read_not_merely_accepted():
+    config = load({"pipeline": {"stages": 2, "partition": "uniform", "seed_layers": True}})
+    assert "pipeline" not in config.unsupported_keys()
+    assert (config.pipeline.stages, config.pipeline.partition) == (2, "uniform")
+    assert config.pipeline.seed_layers is True
+    assert "pipeline.stages" in load_error({"pipeline": {"stages": "two"}})

@@ -198,3 +198,42 @@ def test_a_dead_stage_is_named_with_its_micro_batch():
         in message
     )
     assert failure.value.answers[1] == (False, "rank 1 exited with code 9")
+
+
+def profile_and_report():
+    from zerolap.profiling.profiler import StepProfiler
+
+    engine, *_ = zerolap.initialize(model=models.pipeline(2), config=_config(0, 4))
+    with StepProfiler(engine) as profiler:
+        for step in range(2):
+            engine.train_batch(iter(models.micro_batches(step, 4, 1, 0)))
+    lanes = {(s.lane, s.name) for s in profiler.spans}
+    return lanes, engine.pipeline_report()
+
+
+def test_profiler_lanes_and_pipeline_report(ranks):
+    for stage, (lanes, report) in enumerate(ranks(2).run(profile_and_report)):
+        assert ("compute", "forward") in lanes and ("compute", "backward") in lanes
+        assert ("p2p", "isend") in lanes and ("p2p", "irecv") in lanes, stage
+        assert report["bubble_formula"] == pytest.approx(1 / 5)
+        assert len(report["bubble"]) == len(report["bubble_simulated"]) == 2
+        for measured, simulated in zip(report["bubble"], report["bubble_simulated"], strict=True):
+            assert 0.0 < measured < 1.0 and 0.0 < simulated < 1.0  # stage 1 waits for F0, 0 for B0
+        assert all(seconds >= 0 for seconds in report["exposed_p2p_s"])
+        assert report["p2p_wait_s"][1] >= report["exposed_p2p_s"][1]
+
+
+def plain_model_with_pipeline_stages():
+    try:
+        zerolap.initialize(model=models.pipeline(1), config=_config(1, 2))
+        zerolap.initialize(
+            model=torch.nn.Linear(2, 2), config={**_config(1, 2), "pipeline": {"stages": 2}}
+        )
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def test_pipeline_stages_for_a_plain_model_are_refused(ranks):
+    message = ranks(2).run(plain_model_with_pipeline_stages)[0]
+    assert "pipeline.stages=2 but the model is a Linear" in message

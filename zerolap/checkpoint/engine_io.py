@@ -20,6 +20,11 @@ Under tensor parallelism a managed parameter is a piece of a whole one; its save
 name ranges of the *whole* parameter (``Split.full_ranges``), each tensor rank saving its own
 pieces, so a checkpoint resumes at another tensor-parallel size (or none) and consolidates to
 the dense model's state dict.
+
+A pipeline's stages hold different layers under the whole model's names (``zerolap.pipe``):
+each saves its own pieces, rank 0's model states merge every stage's, and a load checks the
+checkpoint against the whole model, so a pipeline run resumes at another number of stages, or
+in one stage, and consolidates to the whole model's state dict.
 """
 
 from __future__ import annotations
@@ -185,6 +190,47 @@ def _module_states(engine, aliases: dict[str, str], exclude_frozen: bool) -> dic
     }
 
 
+def _whole_model(engine, parts: dict) -> list[dict] | None:
+    """``parts`` (what this rank knows of the model) from every stage of rank 0's pipeline,
+    gathered on rank 0 (None elsewhere); just ``[parts]`` without a pipeline."""
+    group = engine.mesh.pipe_group
+    if group is None:
+        return [parts] if dist.get_rank() == 0 else None
+    if engine.mesh.data_rank != 0 or engine.mesh.tensor_rank != 0:
+        return None  # another pipeline's copy of the same layers
+    gathered: list | None = [None] * engine.mesh.dims.pipe if dist.get_rank() == 0 else None
+    dist.gather_object(parts, gathered, dst=0, group=group)
+    return gathered
+
+
+def _merged(stages: list[dict]) -> dict:
+    """One description of the model from its stages' (a tied weight, held by several, once)."""
+    out = {"module": {}, "names": [], "shapes": {}, "aliases": {}, "frozen": []}
+    for part in stages:
+        out["module"].update(part["module"])
+        out["names"] += [n for n in part["names"] if n not in out["shapes"]]
+        out["shapes"].update(part["shapes"])
+        out["aliases"].update(part["aliases"])
+        out["frozen"] += [k for k in part["frozen"] if k not in out["frozen"]]
+    return out
+
+
+def _model_shapes(engine) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """The whole model's parameter shapes and state_dict keys (every stage's, in a pipeline:
+    one small all-gather over this rank's pipeline)."""
+    module = engine.module
+    shapes = {n: _dense_shape(p) for n, p in module.named_parameters(remove_duplicate=False)}
+    keys = set(module.state_dict(keep_vars=True))
+    group = engine.mesh.pipe_group
+    if group is None:
+        return shapes, keys
+    stages: list = [None] * engine.mesh.dims.pipe
+    dist.all_gather_object(stages, (shapes, keys), group=group)
+    return {n: s for part, _ in stages for n, s in part.items()}, set().union(
+        *(k for _, k in stages)
+    )
+
+
 def _optimizer_groups(engine) -> list[dict]:
     if engine.optimizer is None:
         return []
@@ -223,6 +269,17 @@ def save_checkpoint(
         aliases = {k: n for k, n in aliases.items() if n not in frozen}
     else:
         names_saved = names
+    shapes = dict(zip(names, (_dense_shape(p) for p in _managed(engine)), strict=True))
+    stages = _whole_model(
+        engine,
+        {
+            "module": module_states,
+            "names": names_saved,
+            "shapes": {n: shapes[n] for n in names_saved},
+            "aliases": aliases,
+            "frozen": _frozen_keys(engine) if not exclude_frozen else [],
+        },
+    )
     try:
         shard_digest, failure = try_write(
             {
@@ -246,13 +303,13 @@ def save_checkpoint(
             outcome = ["; ".join(failed)]
         else:
             try:
-                shapes = dict(zip(names, (_dense_shape(p) for p in _managed(engine)), strict=True))
+                model = _merged(stages)
                 model_states = {
-                    "module": module_states,
-                    "param_names": names_saved,
-                    "param_shapes": {n: shapes[n] for n in names_saved},
-                    "aliases": aliases,
-                    "frozen": _frozen_keys(engine) if not exclude_frozen else [],
+                    "module": model["module"],
+                    "param_names": model["names"],
+                    "param_shapes": model["shapes"],
+                    "aliases": model["aliases"],
+                    "frozen": model["frozen"],
                     "world_size": world,
                     "zero_stage": engine.zero_optimization_stage(),
                     "global_steps": engine.global_steps,
@@ -370,11 +427,11 @@ def _saved_shapes(saved: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_same_model(engine, saved: dict, path: Path, strict: bool) -> None:
-    """Every parameter of the model must be in the checkpoint with its shape (a missing one
-    only when ``strict`` is off: a checkpoint saved without frozen parameters, say)."""
+def _check_same_model(engine, saved: dict, path: Path, strict: bool, params: dict) -> None:
+    """Every parameter of the model (``params``: name -> shape) must be in the checkpoint with
+    its shape (a missing one only when ``strict`` is off: a checkpoint saved without frozen
+    parameters, say)."""
     have = _saved_shapes(saved)
-    params = {n: _dense_shape(p) for n, p in engine.module.named_parameters(remove_duplicate=False)}
     changed = sorted(
         f"{n}: saved {have[n]}, model {shape}"
         for n, shape in params.items()
@@ -396,11 +453,17 @@ def _per_element(value, numel: int) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel
 
 
-def _load_module_states(engine, saved: dict, path: Path, strict: bool, custom_load_fn) -> None:
-    """Buffers and unmanaged parameters; managed ones come from ``SavedParams``."""
+def _load_module_states(
+    engine, saved: dict, path: Path, strict: bool, custom_load_fn, model_keys: set[str]
+) -> None:
+    """Buffers and unmanaged parameters; managed ones come from ``SavedParams``. Another
+    pipeline stage's entries (in ``model_keys`` but not this module's) are its to load."""
     aliases = _aliases(engine)
+    own = set(engine.module.state_dict(keep_vars=True))
     entries = {
-        k: v for k, v in saved["module"].items() if k not in saved["aliases"] and k not in aliases
+        k: v
+        for k, v in saved["module"].items()
+        if k not in saved["aliases"] and k not in aliases and (k in own or k not in model_keys)
     }
     if custom_load_fn is not None:
         custom_load_fn(src=entries, dst=engine.module)
@@ -514,11 +577,12 @@ def load_checkpoint(
         logger.warning(f"nothing loaded: {no_latest(load_dir)}")
         return None, None
     folder, saved, shards = found
-    _check_same_model(engine, saved, folder, load_module_strict)
+    shapes, model_keys = _model_shapes(engine)
+    _check_same_model(engine, saved, folder, load_module_strict, shapes)
     index = SegmentIndex(shards)
     params = SavedParams(saved, index)
     names = managed_names(engine)
-    _load_module_states(engine, saved, folder, load_module_strict, custom_load_fn)
+    _load_module_states(engine, saved, folder, load_module_strict, custom_load_fn, model_keys)
     _load_params(engine, params, names)
     _load_master(engine, params, names)
     optimizer = engine.optimizer

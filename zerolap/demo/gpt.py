@@ -167,12 +167,14 @@ def pipeline_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def pipeline_layers(gpt: GPT) -> list:
+def pipeline_layers(gpt: GPT, tied_spec: type | None = None) -> list:
     """``gpt`` as a ``zerolap.pipe.PipelineModule`` layer list with the same weights: the token
     embedding tied to the LM head across the first and last stages, then positions, blocks
-    and the final norm. Its parameters' names map to the GPT's by ``pipeline_names``."""
+    and the final norm. Its parameters' names map to the GPT's by ``pipeline_names``.
+    ``tied_spec``: another ``TiedLayerSpec`` class of the same shape (DeepSpeed's, to compare)."""
     from zerolap.pipe import TiedLayerSpec
 
+    TiedLayerSpec = tied_spec or TiedLayerSpec
     return [
         TiedLayerSpec("embed", TokenEmbedding, gpt.tok_emb),
         AddPositions(gpt.pos_emb),

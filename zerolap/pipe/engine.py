@@ -30,7 +30,8 @@ import zerolap.comm as dist
 from zerolap.config import ConfigError
 from zerolap.pipe.module import PipelineModule
 from zerolap.pipe.p2p import StageLink
-from zerolap.pipe.schedule import Op, Step, forward_only, one_f_one_b, theoretical_bubble
+from zerolap.pipe.report import batch_report
+from zerolap.pipe.schedule import Op, Step, forward_only, one_f_one_b
 from zerolap.runtime.engine import ZerolapEngine
 
 __all__ = ["PipelineEngine", "PipelineError", "check_pipeline_config"]
@@ -95,6 +96,7 @@ class _Batch:
     losses: list[torch.Tensor] = field(default_factory=list)
     logits: list = field(default_factory=list)
     compute_s: float = 0.0
+    spans: list[tuple[str, int, float, float]] = field(default_factory=list)
 
 
 class PipelineEngine(ZerolapEngine):
@@ -222,6 +224,18 @@ class PipelineEngine(ZerolapEngine):
         self.last_stats = stats
         return self._aggregate(batch.losses, broadcast=True)
 
+    def pipeline_report(self) -> dict:
+        """The last train_batch seen from every stage (``pipe.report.batch_report``): per stage
+        the bubble against the theory and the exposed point-to-point time. A collective over
+        this rank's pipeline; stages on one host (their clocks are compared)."""
+        if self.last_stats is None:
+            raise PipelineError("pipeline_report() before any train_batch()")
+        stages = [self.last_stats]
+        if self.num_stages > 1:
+            stages = [None] * self.num_stages
+            dist.all_gather_object(stages, self.last_stats, group=self.mesh.pipe_group)
+        return batch_report(stages)
+
     def eval_batch(
         self,
         data_iter: Iterator | None = None,
@@ -271,6 +285,9 @@ class PipelineEngine(ZerolapEngine):
         return self.data_iterator
 
     def _run(self, steps: list[Step], batch: _Batch, data: Iterator | None) -> dict:
+        links = [link for link in (self._prev, self._next) if link is not None]
+        for link in links:
+            link.trace = []
         start = time.perf_counter()
         waited = self._link_waits()
         for index, step in enumerate(steps):
@@ -285,17 +302,15 @@ class PipelineEngine(ZerolapEngine):
         for link in (self._prev, self._next):
             if link is not None:
                 link.drain()
-        wall = time.perf_counter() - start
         return {
             "stage": self.stage_id,
             "micro_batches": batch.micro_batches,
-            "schedule_s": wall,
+            "schedule_s": time.perf_counter() - start,
             "compute_s": batch.compute_s,
             "p2p_wait_s": self._link_waits() - waited,
-            "bubble": 1.0 - batch.compute_s / wall if wall > 0 else 0.0,
-            "bubble_theory": theoretical_bubble(
-                stages=self.num_stages, micro_batches=batch.micro_batches
-            ),
+            "start": start,
+            "steps": batch.spans,  # (op, micro-batch, start, end) of each compute step
+            "p2p": [event for link in links for event in link.trace],
         }
 
     def _link_waits(self) -> float:
@@ -355,6 +370,7 @@ class PipelineEngine(ZerolapEngine):
                 batch.outputs[mb] = outs
         end = time.perf_counter()
         batch.compute_s += end - start
+        batch.spans.append(("forward", mb, start, end))
         self._phase_recorders("forward", start, end)
         if batch.train and not self.is_first_stage():
             batch.inputs[mb] = inputs
@@ -380,7 +396,9 @@ class PipelineEngine(ZerolapEngine):
             self._backward_kind = None
             raise
         self._close_backward(start)
-        batch.compute_s += time.perf_counter() - start
+        end = time.perf_counter()
+        batch.compute_s += end - start
+        batch.spans.append(("backward", mb, start, end))
         if not self.is_first_stage():
             inputs = batch.inputs.pop(mb)
             back = tuple(

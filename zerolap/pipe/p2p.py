@@ -105,12 +105,14 @@ class Pending:
         tensors: list[torch.Tensor],
         handles: list[Handle],
         fail: Callable,
-        wants_grad: list[bool] | None = None,
+        direction: Direction,
+        micro_batch: int,
     ) -> None:
+        self.direction, self.micro_batch = direction, micro_batch
         self.tensors = tensors
         self.handles = handles
         self._fail = fail
-        self._wants_grad = wants_grad  # received activations that will take a gradient
+        self._wants_grad: list[bool] = []  # received activations that will take a gradient
 
     def wait(self) -> list[torch.Tensor]:
         for handle in self.handles:
@@ -118,7 +120,7 @@ class Pending:
                 handle.wait()
             except CommError as err:
                 raise self._fail(err) from err
-        for tensor, wants in zip(self.tensors, self._wants_grad or [], strict=False):
+        for tensor, wants in zip(self.tensors, self._wants_grad, strict=False):
             if wants:
                 tensor.requires_grad_()
         return self.tensors
@@ -138,6 +140,10 @@ class StageLink:
         self._sends: list[tuple[Handle, tuple[torch.Tensor, ...]]] = []
         self.wait_s = 0.0  # time blocked in receives (a measure of exposed p2p)
         self.sent_bytes = 0
+        # This batch's messages, for measuring exposed p2p across ranks (one host's monotonic
+        # clock): ("send", direction, micro-batch, issued, issued, bytes) as each is issued and
+        # ("wait", direction, micro-batch, began, ended, bytes) as each receive is awaited.
+        self.trace: list[tuple[str, str, int, float, float, int]] = []
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -170,12 +176,15 @@ class StageLink:
         self._send(Direction.METADATA, (length, words), micro_batch)
 
     def _send(self, direction: Direction, tensors, micro_batch: int) -> None:
+        issued, nbytes = time.perf_counter(), 0
         for index, tensor in enumerate(tensors):
             payload = tensor.detach().contiguous()
             tag = _tag(direction, micro_batch, index)
             handle = dist.isend(payload, self.peer_rank, tag=tag)
             self._sends.append((handle, payload))
-            self.sent_bytes += payload.numel() * payload.element_size()
+            nbytes += payload.numel() * payload.element_size()
+        self.sent_bytes += nbytes
+        self.trace.append(("send", direction.name, micro_batch, issued, issued, nbytes))
 
     def reap(self) -> None:
         """Finish completed sends (their tensors may then be freed)."""
@@ -219,7 +228,12 @@ class StageLink:
         try:
             return pending.wait()
         finally:
-            self.wait_s += time.perf_counter() - start
+            end = time.perf_counter()
+            self.wait_s += end - start
+            nbytes = sum(t.numel() * t.element_size() for t in pending.tensors)
+            self.trace.append(
+                ("wait", pending.direction.name, pending.micro_batch, start, end, nbytes)
+            )
 
     def _receive_meta(self, micro_batch: int) -> tuple[TensorMeta, ...]:
         length = torch.empty(1, dtype=torch.int64)
@@ -234,7 +248,9 @@ class StageLink:
             for i, t in enumerate(tensors)
         ]
         doing = f"waiting for the {what} of micro-batch {micro_batch} from stage {self.peer_stage}"
-        return Pending(tensors, handles, lambda err: self._fault(doing, err))
+        return Pending(
+            tensors, handles, lambda err: self._fault(doing, err), direction, micro_batch
+        )
 
     def _fault(self, doing: str, err: Exception) -> PipeError:
         return PipeError(

@@ -60,12 +60,18 @@ def theoretical_bubble(*, stages: int, micro_batches: int) -> float:
 
 
 def simulate(
-    schedules: list[list[Step]], *, forward_s: float = 1.0, backward_s: float = 2.0
+    schedules: list[list[Step]],
+    *,
+    forward_s: float | list[float] = 1.0,
+    backward_s: float | list[float] = 2.0,
 ) -> list[tuple[float, float]]:
-    """Run each stage's steps with the given costs and free messages; per stage, ``(busy,
-    span)``: its compute time and the time from the batch's start to its last step's end.
-    Raises ``RuntimeError`` on a deadlock (a step whose input is never produced)."""
+    """Run each stage's steps with the given costs (one for all stages, or one per stage) and
+    free messages; per stage, ``(busy, span)``: its compute time and the time from the batch's
+    start to the last stage's end. Raises ``RuntimeError`` on a deadlock (a step whose input
+    is never produced)."""
     stages = len(schedules)
+    forward_s = forward_s if isinstance(forward_s, list) else [forward_s] * stages
+    backward_s = backward_s if isinstance(backward_s, list) else [backward_s] * stages
     done: dict[tuple[int, Op, int], float] = {}
     position, clock = [0] * stages, [0.0] * stages
     busy = [0.0] * stages
@@ -77,10 +83,10 @@ def simulate(
                 step = steps[position[s]]
                 if step.op is Op.FORWARD:
                     needs = (s - 1, Op.FORWARD, step.micro_batch) if s > 0 else None
-                    cost = forward_s
+                    cost = forward_s[s]
                 else:
                     needs = (s + 1, Op.BACKWARD, step.micro_batch) if s < stages - 1 else None
-                    cost = backward_s
+                    cost = backward_s[s]
                 if needs is not None and needs not in done:
                     break
                 if step.op is Op.BACKWARD and (s, Op.FORWARD, step.micro_batch) not in done:

@@ -9,7 +9,9 @@ Sources, all at boundaries that already exist:
 * every collective's span from the comms logger's records (launch to completion, timed by the
   backend's completion callback), which the profiler switches on while it is attached; tensor
   parallelism's all-reduces on a lane of their own, and, per kind (forward, backward), their
-  bytes, T_comm, the time the rank sat waiting for them and the hidden share eta_TP.
+  bytes, T_comm, the time the rank sat waiting for them and the hidden share eta_TP; a
+  pipeline's sends and receives on a lane of their own too, outside eta (a receive is posted
+  long before it is awaited: ``PipelineEngine.pipeline_report`` measures their exposed time).
 
 Use it around any loop::
 
@@ -35,6 +37,7 @@ from zerolap.profiling.overlap import Exposure, OverlapStats, exposure, overlap_
 from zerolap.profiling.timeline import (
     COMM,
     COMPUTE,
+    P2P_COMM,
     TP_COMM,
     Span,
     write_chrome_trace,
@@ -43,6 +46,10 @@ from zerolap.profiling.timeline import (
 from zerolap.tensor_parallel.mappings import KINDS as TP_KINDS
 
 __all__ = ["StepProfiler"]
+
+# A pipeline's messages: a receive is posted long before it is awaited, so its span is not
+# time spent communicating; the pipeline's own report measures their exposed time.
+_P2P_OPS = frozenset({"isend", "irecv"})
 
 
 class StepProfiler:
@@ -121,8 +128,9 @@ class StepProfiler:
         for record in records:
             record.resolve()
             tp = record.name in TP_KINDS
+            lane = TP_COMM if tp else P2P_COMM if record.op in _P2P_OPS else COMM
             if record.end is not None:
-                self._add(TP_COMM if tp else COMM, record.op, record.start, record.end)
+                self._add(lane, record.op, record.start, record.end)
             if tp:
                 # The computing thread (or lane, the other one idle) sat in it, inside a compute
                 # phase: not compute. (Other ops may be waited for off that thread.)

@@ -1,5 +1,6 @@
-"""Spans on lanes per rank (compute, communication, and tensor parallelism's all-reduces when
-there are any), and the two ways people look at them: a Chrome/Perfetto trace
+"""Spans on lanes per rank (compute, communication, and when there are any tensor parallelism's
+all-reduces and a pipeline's point-to-point messages), and the two ways people look at them: a
+Chrome/Perfetto trace
 and a PNG in the style of ``|---compute---| |--All-Reduce--|`` diagrams.
 
 Times are ``time.perf_counter()`` seconds. On one host every process reads the same monotonic
@@ -15,8 +16,9 @@ from pathlib import Path
 
 __all__ = ["Span", "write_chrome_trace", "write_timeline_png"]
 
-COMPUTE, COMM, TP_COMM = "compute", "comm", "tp comm"
-LANES = (COMPUTE, COMM, TP_COMM)
+COMPUTE, COMM, TP_COMM, P2P_COMM = "compute", "comm", "tp comm", "p2p"
+LANES = (COMPUTE, COMM, TP_COMM, P2P_COMM)
+_OPTIONAL = (TP_COMM, P2P_COMM)  # drawn only when used
 
 _COLOURS = {
     "tp_forward": "#17BECF",
@@ -28,6 +30,8 @@ _COLOURS = {
     "all_reduce": "#DD8452",
     "all_gather": "#937860",
     "broadcast": "#DA8BC3",
+    "isend": "#8C564B",
+    "irecv": "#E377C2",
 }
 
 
@@ -94,8 +98,8 @@ def write_chrome_trace(spans: Iterable[Span], path: str | Path) -> Path:
 
 
 def write_timeline_png(spans: Iterable[Span], path: str | Path, *, title: str = "") -> Path:
-    """Compute and comm lanes (and the TP lane when used) for every rank, time in milliseconds
-    on the x axis."""
+    """Compute and comm lanes (and the TP and p2p lanes when used) for every rank, time in
+    milliseconds on the x axis."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -106,7 +110,7 @@ def write_timeline_png(spans: Iterable[Span], path: str | Path, *, title: str = 
     origin = _origin(spans)
     ranks = sorted({s.rank for s in spans})
     used = {s.lane for s in spans}
-    rows = [(r, lane) for r in ranks for lane in LANES if lane in used or lane != TP_COMM]
+    rows = [(r, lane) for r in ranks for lane in LANES if lane in used or lane not in _OPTIONAL]
     fig, ax = plt.subplots(figsize=(14, 0.9 * len(rows) + 1.4))
     for y, (rank, lane) in enumerate(rows):
         lane_spans = [s for s in spans if s.rank == rank and s.lane == lane]

@@ -1,0 +1,59 @@
+"""What a train_batch's pipeline did, from every stage's record of it: per stage, the bubble
+(its idle share of the batch, from the first stage's start to the last one's end) against the
+theory, and the point-to-point time it sat exposed to.
+
+Every stage records its compute steps and its messages (``PipelineEngine.last_stats``) on this
+host's monotonic clock, so records from stages on one host line up. The theory is twofold:
+(p - 1) / (m + p - 1), which assumes equal stages, and the same schedule simulated with the
+stages' own median forward and backward times (``schedule.simulate``): the bubble these stages
+would have if messages were free. The measured bubble minus the simulated one is what the
+messages and the host cost.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from zerolap.pipe.schedule import one_f_one_b, simulate, theoretical_bubble
+
+__all__ = ["batch_report"]
+
+
+def batch_report(stages: list[dict]) -> dict:
+    """``stages``: every stage's ``last_stats`` of one train_batch, in stage order."""
+    count, micro_batches = len(stages), stages[0]["micro_batches"]
+    begin = min(s["start"] for s in stages)
+    window = max(s["start"] + s["schedule_s"] for s in stages) - begin
+    schedules = [
+        one_f_one_b(stages=count, stage=s, micro_batches=micro_batches) for s in range(count)
+    ]
+    forward = [_median(s["steps"], "forward") for s in stages]
+    backward = [_median(s["steps"], "backward") for s in stages]
+    ideal = simulate(schedules, forward_s=forward, backward_s=backward)
+    sent = {
+        (direction, mb): issued
+        for s in stages
+        for kind, direction, mb, issued, _, _ in s["p2p"]
+        if kind == "send"
+    }
+    exposed = []
+    for s in stages:
+        waits = [e for e in s["p2p"] if e[0] == "wait" and e[1] != "METADATA"]
+        exposed.append(
+            sum(max(0.0, end - max(began, sent[(d, mb)])) for _, d, mb, began, end, _ in waits)
+        )
+    return {
+        "micro_batches": micro_batches,
+        "batch_s": window,
+        "bubble": [1.0 - s["compute_s"] / window for s in stages],
+        "bubble_formula": theoretical_bubble(stages=count, micro_batches=micro_batches),
+        "bubble_simulated": [1.0 - busy / span for busy, span in ideal],
+        "forward_s": forward,
+        "backward_s": backward,
+        "p2p_wait_s": [s["p2p_wait_s"] for s in stages],
+        "exposed_p2p_s": exposed,
+    }
+
+
+def _median(steps: list, op: str) -> float:
+    return statistics.median(end - start for kind, _, start, end in steps if kind == op)
