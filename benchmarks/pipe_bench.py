@@ -229,8 +229,10 @@ def launch(python: str, system: str, micro_batches: int, args) -> list[dict]:
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         done = subprocess.run(command, capture_output=True, text=True, env=env)
-        if done.returncode != 0:
+        if done.returncode != 0 and not out.exists():
             raise SystemExit(f"{system} failed:\n{(done.stdout + done.stderr)[-4000:]}")
+        if done.returncode != 0:  # DeepSpeed 0.19.8 on gloo now and then aborts at exit
+            print(f"{system} exited with {done.returncode} after writing its results", flush=True)
         return json.loads(out.read_text())
 
 

@@ -33,6 +33,8 @@ from zerolap.pipe.p2p import StageLink
 from zerolap.pipe.report import batch_report
 from zerolap.pipe.schedule import Op, Step, forward_only, one_f_one_b
 from zerolap.runtime.engine import ZerolapEngine
+from zerolap.runtime.inputs import check_same_inputs
+from zerolap.utils.logging import logger
 
 __all__ = ["PipelineEngine", "PipelineError", "check_pipeline_config"]
 
@@ -76,10 +78,21 @@ def check_pipeline_config(config, model, mpu) -> None:
             "layers' parameters whole between micro-batches; use stage 0, 1 or 2 (each shards "
             "over the stage's data-parallel group)"
         )
-    if config.tensor_parallel.size > 1 or mpu is not None or model.dims.tensor > 1:
+    tp = config.tensor_parallel
+    if mpu is not None:
         raise ConfigError(
-            "tensor parallelism with a PipelineModule (3D) is not supported yet: use "
-            "tensor_parallel.autotp_size=1, no mpu, and a topology without a model axis"
+            "initialize(mpu=...) with a PipelineModule: the module's topology and "
+            "tensor_parallel.autotp_size make the mesh; pass no mpu"
+        )
+    if model.dims.tensor not in (1, tp.size):
+        raise ConfigError(
+            f"the PipelineModule's topology has a model (tensor) axis of {model.dims.tensor} but "
+            f"tensor_parallel.autotp_size={tp.size}; make them agree"
+        )
+    if tp.size > 1 and tp.overlap_mode == "full":
+        raise ConfigError(
+            "tensor_parallel.overlap=full with a PipelineModule: a stage's blocks are not split "
+            "into lanes; use overlap: backward or off"
         )
 
 
@@ -111,6 +124,16 @@ class PipelineEngine(ZerolapEngine):
                 f"gradient_accumulation_steps={self.micro_batches} gives each train_batch fewer "
                 f"micro-batches than the {self.num_stages} pipeline stages; use at least "
                 f"{self.num_stages} (many more keep the bubble small)"
+            )
+        if (
+            mesh.dims.tensor > 1
+            and self._config.pipeline.pipe_partitioned
+            and self.global_rank == 0
+        ):
+            logger.info(
+                "pipeline.pipe_partitioned / grad_partitioned: each tensor rank sends its whole "
+                "copy of the activations to the next stage's same tensor rank (zerolap does not "
+                "split them over the tensor group); results are the same"
             )
         dynamic = module.dynamic_shape
         self._prev = self._next = None
@@ -345,6 +368,9 @@ class PipelineEngine(ZerolapEngine):
         sample = next(data) if (self.is_first_stage() or self.is_last_stage()) else None
         if self.is_first_stage():
             inputs = sample[0] if isinstance(sample[0], tuple) else (sample[0],)
+            if not self._inputs_checked:  # the tensor group's ranks read the same batch
+                check_same_inputs(self.mesh, inputs, {})
+                self._inputs_checked = True
         else:
             inputs = tuple(self._prev.wait(batch.activations.pop(mb)))
         start = time.perf_counter()

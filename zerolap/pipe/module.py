@@ -135,7 +135,10 @@ class PipelineModule(nn.Module):
         # gradient buckets) puts tied weights last in backward.
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
-        self.forward_funcs: list[Callable] = []
+        # How to call each local layer, resolved at every call (``forward_funcs``): by name
+        # for modules, so a module replaced after construction (split for tensor parallelism)
+        # is the one that runs.
+        self._calls: list[tuple[str, Any]] = []
         self._build()
 
     # -- construction -------------------------------------------------------------------------
@@ -147,24 +150,35 @@ class PipelineModule(nn.Module):
                 if layer.key not in self.tied_modules:
                     self.tied_modules[layer.key] = self._built(layer, index)
                     self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
-                module = self.tied_modules[layer.key]
-                self.forward_funcs.append(
-                    functools.partial(layer.forward_fn, module) if layer.forward_fn else module
-                )
+                self._calls.append(("tied", (layer.key, layer.forward_fn)))
             elif isinstance(layer, LayerSpec):
-                module = self._built(layer, index)
-                self.add_module(str(index), module)
-                self.forward_funcs.append(module)
+                self.add_module(str(index), self._built(layer, index))
+                self._calls.append(("module", str(index)))
             elif isinstance(layer, nn.Module):
                 self.add_module(str(index), layer)
-                self.forward_funcs.append(layer)
+                self._calls.append(("module", str(index)))
             else:
-                self.forward_funcs.append(layer)
+                self._calls.append(("function", layer))
 
     def _built(self, spec: LayerSpec, index: int) -> nn.Module:
         if self.seed_layers:
             self.seed_fn(self.base_seed + index)
         return spec.build()
+
+    @property
+    def forward_funcs(self) -> list[Callable]:
+        """This stage's layers as callables, in order."""
+        funcs = []
+        for kind, ref in self._calls:
+            if kind == "module":
+                funcs.append(self._modules[ref])
+            elif kind == "tied":
+                key, forward_fn = ref
+                module = self.tied_modules[key]
+                funcs.append(functools.partial(forward_fn, module) if forward_fn else module)
+            else:
+                funcs.append(ref)
+        return funcs
 
     # -- what the engine asks -----------------------------------------------------------------
 
@@ -196,7 +210,7 @@ class PipelineModule(nn.Module):
     def tied_weights(self, key: str) -> list[nn.Parameter]:
         """This stage's copies of tie ``key``'s shared parameters."""
         module = self.tied_modules[key]
-        return [getattr(module, attr) for attr in self.tied_weight_attrs[key]]
+        return [module.get_parameter(attr) for attr in self.tied_weight_attrs[key]]
 
     def stage_owner(self, layer_index: int) -> int:
         """The stage holding layer ``layer_index``."""
@@ -220,19 +234,24 @@ class PipelineModule(nn.Module):
         x = forward_input
         for start in range(0, len(funcs), interval):
             run = funcs[start : start + interval]
-            if self._checkpointable(start, run):
+            if self._checkpointable(run, x):
                 inputs = x if isinstance(x, tuple) else (x,)
                 x = self.activation_checkpoint_func(functools.partial(_run_many, run), *inputs)
             else:
                 x = _run(run, x)
         return x
 
-    def _checkpointable(self, start: int, run: list[Callable]) -> bool:
-        """Whether a run of layers is recomputed: any layer with parameters, or (with
-        ``checkpointable_layers``) one of the named classes, as DeepSpeed decides."""
+    def _checkpointable(self, run: list[Callable], x) -> bool:
+        """Whether a run of layers is recomputed in backward: it must hold parameters (or,
+        with ``checkpointable_layers``, only layers of the named classes, as DeepSpeed
+        decides), and take an input that requires grad. DeepSpeed checkpoints a first run
+        fed token ids too, whose parameters then get no gradient from a reentrant
+        checkpoint; here that run is kept instead."""
+        inputs = x if isinstance(x, tuple) else (x,)
+        if not any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+            return False
         if self.checkpointable_layers is not None:
-            names = [type(f).__name__ for f in run]
-            return any(name in self.checkpointable_layers for name in names)
+            return all(type(f).__name__ in self.checkpointable_layers for f in run)
         return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in run)
 
 

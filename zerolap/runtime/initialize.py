@@ -164,8 +164,8 @@ def _mesh(tp, mpu, model) -> tuple[Mesh, dict[int, torch.nn.Parameter]]:
     """The job's mesh, and the model split for tensor parallelism when the ds_config asks;
     with the split parameters that replaced dense ones, by ``id`` of the dense one."""
     if isinstance(model, PipelineModule):
-        return build_mesh(pipe=model.num_stages), {}
-    if mpu is None:
+        mesh = build_mesh(tp.size, pipe=model.num_stages)
+    elif mpu is None:
         mesh = build_mesh(tp.size)
     else:
         mesh = mesh_from_mpu(mpu)

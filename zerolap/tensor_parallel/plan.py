@@ -156,12 +156,30 @@ def preset_plan(name: str) -> TPPlan:
     return _PRESETS[name]()
 
 
+def _gpt_pipeline_plan() -> TPPlan:
+    """The demo GPT as pipeline layers (``demo.gpt.pipeline_layers``): its blocks are layers
+    named by their index; the embedding and LM head, tied across stages, stay whole."""
+    block = r"\d+\."
+    return TPPlan(
+        rules=(
+            Rule(block + r"attn\.qkv", "colwise", parts=3),
+            Rule(block + r"attn\.proj", "rowwise"),
+            Rule(block + r"mlp\.0", "colwise"),
+            Rule(block + r"mlp\.2", "rowwise"),
+        ),
+        divide={"CausalSelfAttention": ("n_head",)},
+        name="zerolap GPT pipeline",
+    )
+
+
 def auto_plan(model: nn.Module) -> TPPlan:
     """The plan for a model of a layout zerolap knows, found from its classes and config."""
-    from zerolap.demo.gpt import GPT
+    from zerolap.demo.gpt import GPT, Block
 
     if isinstance(model, GPT):
         return _gpt_plan()
+    if any(isinstance(m, Block) for m in model.children()):  # a pipeline stage of it
+        return _gpt_pipeline_plan()
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in _PRESETS:
         return _PRESETS[model_type]()
