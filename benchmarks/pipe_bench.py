@@ -1,6 +1,7 @@
 """Pipeline parallelism, p = 2 on the 42M GPT split by blocks: the measured bubble against the
 theory, the exposed point-to-point time, peak activation memory per stage, and step time against
-DeepSpeed's PipelineEngine on the same partition, data and optimizer.
+DeepSpeed's PipelineEngine on the same partition, data and optimizer; 1F1B and zerolap's
+interleaved 1F1B (``--virtual-stages 1 2``: each rank holding 2 chunks of blocks).
 
     python benchmarks/pipe_bench.py                              # zerolap only
     python benchmarks/pipe_bench.py --deepspeed-python /tmp/dsenv/bin/python
@@ -81,7 +82,7 @@ class _Held:
         self.counter.release(self.key)
 
 
-def worker(system: str, micro_batches: int, steps: int, warmup: int, out: str) -> None:
+def worker(system: str, micro_batches: int, chunks: int, steps: int, warmup: int, out: str) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -101,11 +102,13 @@ def worker(system: str, micro_batches: int, steps: int, warmup: int, out: str) -
     cfg = PRESETS["42m"]
     torch.manual_seed(0)
     gpt = GPT(cfg)
+    extra = {"virtual_stages": chunks} if chunks > 1 else {}  # zerolap's interleaved 1F1B
     module = PipelineModule(
         pipeline_layers(gpt, TiedLayerSpec),
         num_stages=2,
         loss_fn=pipeline_loss,
         partition_method="type:Block",
+        **extra,
     )
     config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -194,7 +197,7 @@ def analyse(ranks: list[dict]) -> dict:
         total = sum(
             ping[str(nbytes)]
             for r in ranks
-            for kind, direction, _, _, _, nbytes in r["stats"][step]["p2p"]
+            for kind, direction, _, _, _, nbytes, _ in r["stats"][step]["p2p"]
             if kind == "wait" and direction != "METADATA"
         )
         p2p.append(total)
@@ -219,12 +222,13 @@ def analyse(ranks: list[dict]) -> dict:
 # -- the driver ---------------------------------------------------------------------------------
 
 
-def launch(python: str, system: str, micro_batches: int, args) -> list[dict]:
+def launch(python: str, system: str, micro_batches: int, chunks: int, args) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         command = [
             python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
             __file__, "--worker", system, "--micro-batches", str(micro_batches),
+            "--virtual-stages", str(chunks),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -241,57 +245,78 @@ def main() -> None:
     parser.add_argument("--worker", choices=["zerolap", "deepspeed"])
     parser.add_argument("--out")
     parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
+    parser.add_argument(
+        "--virtual-stages", type=int, nargs="+", default=[1, 2],
+        help="chunks per rank: 1 is 1F1B, more is zerolap's interleaved 1F1B",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--deepspeed-python")
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.micro_batches[0], args.steps, args.warmup, args.out)
+        worker(
+            args.worker,
+            args.micro_batches[0],
+            args.virtual_stages[0],
+            args.steps,
+            args.warmup,
+            args.out,
+        )
         return
     sys.path.insert(0, str(ROOT))
     systems = {"zerolap": sys.executable}
     if args.deepspeed_python:
         systems["deepspeed"] = args.deepspeed_python
     results: dict = {}
+    runs = [
+        (system, python, m, v)
+        for m in args.micro_batches
+        for v in args.virtual_stages
+        for system, python in systems.items()
+        if v == 1 or system == "zerolap"  # DeepSpeed has no virtual stages
+    ]
     for round_ in range(args.rounds):
-        for m in args.micro_batches:
-            for system, python in systems.items():
-                ranks = launch(python, system, m, args)
-                results.setdefault((system, m), []).append(ranks)
-                print(f"round {round_ + 1}: {system} m={m} step {ranks[0]['times']}", flush=True)
+        for system, python, m, v in runs:
+            ranks = launch(python, system, m, v, args)
+            results.setdefault((system, m, v), []).append(ranks)
+            print(f"round {round_ + 1}: {system} m={m} v={v} step {ranks[0]['times']}", flush=True)
     print()
     print(
-        "| m | system | step s (median) | vs zerolap | bubble stage 0 / 1 | formula | "
+        "| m | system | step s (median) | vs zerolap 1F1B | bubble stage 0 / 1 | formula | "
         "simulated | exposed p2p / p2p time | peak activations MiB, stage 0 / 1 |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     for m in args.micro_batches:
-        ours = [analyse(r) for r in results[("zerolap", m)]]
-        step = statistics.median(a["step_s"] for a in ours)
-        bubble = [statistics.median(a["bubble"][s] for a in ours) for s in range(2)]
-        sim = [statistics.median(a["bubble_simulated"][s] for a in ours) for s in range(2)]
-        share = statistics.median(a["exposed_share"] for a in ours)
-        exposed = statistics.median(a["exposed_p2p_s"] for a in ours) * 1e3
-        p2p = statistics.median(a["p2p_s"] for a in ours) * 1e3
-        peak = ours[0]["peak_activation_mib"]
-        print(
-            f"| {m} | zerolap | {step:.3f} | 1.00 | {bubble[0]:.3f} / {bubble[1]:.3f} | "
-            f"{ours[0]['bubble_formula']:.3f} | {sim[0]:.3f} / {sim[1]:.3f} | "
-            f"{exposed:.1f} / {p2p:.1f} ms ({share:.1%}) | {peak[0]:.0f} / {peak[1]:.0f} |"
-        )
-        if ("deepspeed", m) in results:
-            runs = results[("deepspeed", m)]
+        base = None
+        for v in args.virtual_stages:
+            ours = [analyse(r) for r in results[("zerolap", m, v)]]
+            step = statistics.median(a["step_s"] for a in ours)
+            base = base or step
+            bubble = [statistics.median(a["bubble"][s] for a in ours) for s in range(2)]
+            sim = [statistics.median(a["bubble_simulated"][s] for a in ours) for s in range(2)]
+            exposed = statistics.median(a["exposed_p2p_s"] for a in ours) * 1e3
+            p2p = statistics.median(a["p2p_s"] for a in ours) * 1e3
+            peak = ours[0]["peak_activation_mib"]
+            formula = ours[0]["bubble_formula"]
+            name = "zerolap 1F1B" if v == 1 else f"zerolap interleaved, v={v}"
+            print(
+                f"| {m} | {name} | {step:.3f} | {step / base:.2f} | {bubble[0]:.3f} / "
+                f"{bubble[1]:.3f} | {formula:.3f} | {sim[0]:.3f} / {sim[1]:.3f} | "
+                f"{exposed:.1f} / {p2p:.1f} ms | {peak[0]:.0f} / {peak[1]:.0f} |"
+            )
+        if ("deepspeed", m, 1) in results:
+            runs = results[("deepspeed", m, 1)]
             ds_step = statistics.median(statistics.median(r[0]["times"]) for r in runs)
             ds_peak = [runs[0][s]["peak"] / 2**20 for s in range(2)]
             print(
-                f"| {m} | DeepSpeed 0.19.8 | {ds_step:.3f} | {ds_step / step:.2f} | - | - | - | "
+                f"| {m} | DeepSpeed 0.19.8 | {ds_step:.3f} | {ds_step / base:.2f} | - | - | - | "
                 f"- | {ds_peak[0]:.0f} / {ds_peak[1]:.0f} |"
             )
     for m in args.micro_batches:
-        if ("deepspeed", m) in results:
-            ours = results[("zerolap", m)][0][0]["losses"]
-            theirs = results[("deepspeed", m)][0][0]["losses"]
+        if ("deepspeed", m, 1) in results:
+            ours = results[("zerolap", m, 1)][0][0]["losses"]
+            theirs = results[("deepspeed", m, 1)][0][0]["losses"]
             gap = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
             print(f"m={m}: largest loss difference zerolap vs DeepSpeed over the steps: {gap:.2e}")
 

@@ -30,8 +30,8 @@ def _config(stage: int, gas: int, clip: float = models.CLIP, **extra) -> dict:
     }
 
 
-def train(stages: int, gas: int, stage: int, steps: int = STEPS):
-    module = models.pipeline(stages)
+def train(stages: int, gas: int, stage: int, chunks: int = 1, steps: int = STEPS):
+    module = models.pipeline(stages, virtual_stages=chunks)
     engine, *_ = zerolap.initialize(model=module, config=_config(stage, gas))
     data, data_rank = engine.dp_world_size, engine.get_data_parallel_rank()
     losses, norms = [], []
@@ -48,12 +48,31 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(
-    ("world", "stages", "gas", "stage"),
-    [(2, 2, 4, 1), (2, 2, 8, 0), (4, 4, 4, 1), (4, 4, 8, 2), (4, 2, 4, 1), (4, 2, 4, 2)],
-    ids=["p2-m4-z1", "p2-m8-z0", "p4-m4-z1", "p4-m8-z2", "dp2xpp2-z1", "dp2xpp2-z2"],
+    ("world", "stages", "gas", "stage", "chunks"),
+    [
+        (2, 2, 4, 1, 1),
+        (2, 2, 8, 0, 1),
+        (4, 4, 4, 1, 1),
+        (4, 4, 8, 2, 1),
+        (4, 2, 4, 1, 1),
+        (4, 2, 4, 2, 1),
+        (2, 2, 4, 1, 2),
+        (4, 4, 8, 2, 2),
+    ],
+    ids=[
+        "p2-m4-z1",
+        "p2-m8-z0",
+        "p4-m4-z1",
+        "p4-m8-z2",
+        "dp2xpp2-z1",
+        "dp2xpp2-z2",
+        "p2-v2-m4-z1",
+        "p4-v2-m8-z2",
+    ],
 )
-def test_pipeline_equals_gradient_accumulation(ranks, world, stages, gas, stage):
-    results = ranks(world).run(train, stages, gas, stage)
+def test_pipeline_equals_gradient_accumulation(ranks, world, stages, gas, stage, chunks):
+    """``chunks`` > 1: interleaved 1F1B, each rank holding that many chunks of layers."""
+    results = ranks(world).run(train, stages, gas, stage, chunks)
     ref_losses, ref_norms, ref_params = models.reference(STEPS, gas, world // stages)
     merged: dict[str, torch.Tensor] = {}
     for losses, norms, params, stats in results:
@@ -367,3 +386,24 @@ def test_demo_gpt_pipeline_splits_by_its_own_plan(ranks):
             dense = want[name].detach()
             expected = dense if splits[name] is None else splits[name].take(dense)
             assert (value - expected).abs().max().item() < 1e-5, name
+
+
+def evaluate_and_report_interleaved():
+    engine, *_ = zerolap.initialize(
+        model=models.pipeline(2, virtual_stages=2), config=_config(1, 4)
+    )
+    batch = models.micro_batches(0, 4, 1, 0)
+    loss = engine.eval_batch(iter(batch)).item()
+    engine.train_batch(iter(batch))
+    return loss, engine.pipeline_report()
+
+
+def test_interleaved_evaluation_and_report(ranks):
+    plain = models.pipeline(1)
+    batch = models.micro_batches(0, 4, 1, 0)
+    with torch.no_grad():
+        want = torch.stack([models.loss_fn(plain(t), y) for t, y in batch]).mean().item()
+    for loss, report in ranks(2).run(evaluate_and_report_interleaved):
+        assert loss == pytest.approx(want, rel=1e-6)
+        assert report["chunks"] == 2
+        assert report["bubble_formula"] == pytest.approx(1 / 9)  # (p-1) / (v m + p - 1)

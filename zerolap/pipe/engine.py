@@ -29,9 +29,9 @@ import torch
 import zerolap.comm as dist
 from zerolap.config import ConfigError
 from zerolap.pipe.module import PipelineModule
-from zerolap.pipe.p2p import StageLink
+from zerolap.pipe.p2p import MAX_CHUNKS, StageLink
 from zerolap.pipe.report import batch_report
-from zerolap.pipe.schedule import Op, Step, forward_only, one_f_one_b
+from zerolap.pipe.schedule import Op, Step, forward_only, schedule
 from zerolap.runtime.engine import ZerolapEngine
 from zerolap.runtime.inputs import check_same_inputs
 from zerolap.utils.logging import logger
@@ -102,10 +102,11 @@ class _Batch:
 
     micro_batches: int
     train: bool
-    inputs: dict[int, tuple] = field(default_factory=dict)  # kept for their gradients
-    outputs: dict[int, object] = field(default_factory=dict)  # the loss on the last stage
-    activations: dict[int, object] = field(default_factory=dict)  # receives posted
-    grads: dict[int, object] = field(default_factory=dict)
+    # By (chunk, micro-batch):
+    inputs: dict[tuple[int, int], tuple] = field(default_factory=dict)  # kept for their grads
+    outputs: dict[tuple[int, int], object] = field(default_factory=dict)  # the last one's loss
+    activations: dict[tuple[int, int], object] = field(default_factory=dict)  # receives posted
+    grads: dict[tuple[int, int], object] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
     logits: list = field(default_factory=list)
     compute_s: float = 0.0
@@ -118,12 +119,24 @@ class PipelineEngine(ZerolapEngine):
         mesh = self.mesh
         self.num_stages = mesh.dims.pipe
         self.stage_id = mesh.pipe_rank
+        self.chunks = module.virtual_stages  # chunks of layers per rank (interleaved 1F1B)
         self.micro_batches = self.gradient_accumulation_steps()
         if self.micro_batches < self.num_stages:
             raise ConfigError(
                 f"gradient_accumulation_steps={self.micro_batches} gives each train_batch fewer "
                 f"micro-batches than the {self.num_stages} pipeline stages; use at least "
                 f"{self.num_stages} (many more keep the bubble small)"
+            )
+        if self.chunks > 1 and self.micro_batches % self.num_stages:
+            raise ConfigError(
+                f"gradient_accumulation_steps={self.micro_batches}: interleaved 1F1B "
+                f"(virtual_stages={self.chunks}) takes micro-batches in groups of the "
+                f"{self.num_stages} stages; use a multiple of {self.num_stages}"
+            )
+        if self.num_stages * self.chunks > MAX_CHUNKS:
+            raise ConfigError(
+                f"{self.num_stages} stages x virtual_stages={self.chunks} chunks: at most "
+                f"{MAX_CHUNKS} chunks in all"
             )
         if (
             mesh.dims.tensor > 1
@@ -135,24 +148,32 @@ class PipelineEngine(ZerolapEngine):
                 "copy of the activations to the next stage's same tensor rank (zerolap does not "
                 "split them over the tensor group); results are the same"
             )
-        dynamic = module.dynamic_shape
+        # The neighbours this stage receives activations from (``_prev``) and sends them to
+        # (``_next``); with virtual stages the chunks go round, the last stage's to the first.
         self._prev = self._next = None
-        if self.stage_id > 0:
-            self._prev = StageLink(
-                stage=self.stage_id,
-                peer_stage=self.stage_id - 1,
-                peer_rank=mesh.stage_rank(self.stage_id - 1),
-                dynamic_shape=dynamic,
-            )
-        if self.stage_id < self.num_stages - 1:
-            self._next = StageLink(
-                stage=self.stage_id,
-                peer_stage=self.stage_id + 1,
-                peer_rank=mesh.stage_rank(self.stage_id + 1),
-                dynamic_shape=dynamic,
-            )
+        ring = self.chunks > 1
+        if self.stage_id > 0 or ring:
+            self._prev = self._link((self.stage_id - 1) % self.num_stages)
+        if self.stage_id < self.num_stages - 1 or ring:
+            self._next = self._link((self.stage_id + 1) % self.num_stages)
         self.data_iterator: Iterator | None = None
         self.last_stats: dict | None = None  # the last train_batch's measurements
+
+    def _link(self, peer: int) -> StageLink:
+        return StageLink(
+            stage=self.stage_id,
+            peer_stage=peer,
+            peer_rank=self.mesh.stage_rank(peer),
+            dynamic_shape=self.module.dynamic_shape,
+        )
+
+    def _schedule(self) -> list[Step]:
+        return schedule(
+            stages=self.num_stages,
+            stage=self.stage_id,
+            micro_batches=self.micro_batches,
+            chunks=self.chunks,
+        )
 
     # -- construction hooks (called by ZerolapEngine.__init__) ----------------------------------
 
@@ -230,13 +251,7 @@ class PipelineEngine(ZerolapEngine):
         self.module.train()
         self.tput_timer.start()
         batch = _Batch(self.micro_batches, train=True)
-        stats = self._run(
-            one_f_one_b(
-                stages=self.num_stages, stage=self.stage_id, micro_batches=self.micro_batches
-            ),
-            batch,
-            data,
-        )
+        stats = self._run(self._schedule(), batch, data)
         self._reduce_tied_grads()
         self._boundary = True
         try:
@@ -281,7 +296,10 @@ class PipelineEngine(ZerolapEngine):
         self._compute_loss = compute_loss
         try:
             with torch.no_grad():
-                self._run(forward_only(micro_batches=micro_batches), batch, data)
+                steps = forward_only(
+                    stages=self.num_stages, micro_batches=micro_batches, chunks=self.chunks
+                )
+                self._run(steps, batch, data)
         finally:
             self._compute_loss = True
             self.module.train()
@@ -313,21 +331,21 @@ class PipelineEngine(ZerolapEngine):
             link.trace = []
         start = time.perf_counter()
         waited = self._link_waits()
+        last_backward = max((i for i, s in enumerate(steps) if s.op is Op.BACKWARD), default=-1)
         for index, step in enumerate(steps):
             self._post_ahead(steps, index, batch)
             if step.op is Op.FORWARD:
-                self._forward(step.micro_batch, batch, data)
+                self._forward(step.micro_batch, step.chunk, batch, data)
             else:
-                self._backward(step.micro_batch, batch)
-            for link in (self._prev, self._next):
-                if link is not None:
-                    link.reap()
-        for link in (self._prev, self._next):
-            if link is not None:
-                link.drain()
+                self._backward(step.micro_batch, step.chunk, batch, index == last_backward)
+            for link in links:
+                link.reap()
+        for link in links:
+            link.drain()
         return {
             "stage": self.stage_id,
             "micro_batches": batch.micro_batches,
+            "chunks": self.chunks,
             "schedule_s": time.perf_counter() - start,
             "compute_s": batch.compute_s,
             "p2p_wait_s": self._link_waits() - waited,
@@ -338,6 +356,18 @@ class PipelineEngine(ZerolapEngine):
 
     def _link_waits(self) -> float:
         return sum(link.wait_s for link in (self._prev, self._next) if link is not None)
+
+    # A chunk's place: global index g = chunk * P + stage; the first chunk reads the inputs, the
+    # last computes the loss; chunk g's messages are tagged with the receiving chunk's index.
+
+    def _global(self, chunk: int) -> int:
+        return chunk * self.num_stages + self.stage_id
+
+    def _is_first_chunk(self, chunk: int) -> bool:
+        return self._global(chunk) == 0
+
+    def _is_last_chunk(self, chunk: int) -> bool:
+        return self._global(chunk) == self.num_stages * self.chunks - 1
 
     def _post_ahead(self, steps: list[Step], index: int, batch: _Batch) -> None:
         """The receives of this step and of the next forward and backward after it, posted
@@ -351,31 +381,34 @@ class PipelineEngine(ZerolapEngine):
             if not wanted[step.op]:
                 continue
             wanted[step.op] -= 1
-            mb = step.micro_batch
-            if step.op is Op.FORWARD and self._prev is not None and mb not in batch.activations:
+            key, g = (step.chunk, step.micro_batch), self._global(step.chunk)
+            if step.op is Op.FORWARD:
+                if self._is_first_chunk(step.chunk) or key in batch.activations:
+                    continue
                 if self._prev.dynamic_shape and position != index:
                     continue  # its shape is known only once its metadata arrives
-                batch.activations[mb] = self._prev.post_activations(mb, batch.train)
+                batch.activations[key] = self._prev.post_activations(key[1], batch.train, g)
             elif (
-                step.op is Op.BACKWARD
-                and self._next is not None
-                and mb not in batch.grads
-                and mb in batch.outputs  # its forward ran: the gradients' shapes are known
+                not self._is_last_chunk(step.chunk)
+                and key not in batch.grads
+                and key in batch.outputs  # its forward ran: the gradients' shapes are known
             ):
-                batch.grads[mb] = self._next.post_grads(mb, batch.outputs[mb])
+                batch.grads[key] = self._next.post_grads(key[1], batch.outputs[key], g)
 
-    def _forward(self, mb: int, batch: _Batch, data: Iterator | None) -> None:
-        sample = next(data) if (self.is_first_stage() or self.is_last_stage()) else None
-        if self.is_first_stage():
+    def _forward(self, mb: int, chunk: int, batch: _Batch, data: Iterator | None) -> None:
+        first, last = self._is_first_chunk(chunk), self._is_last_chunk(chunk)
+        key = (chunk, mb)
+        sample = next(data) if (first or last) else None
+        if first:
             inputs = sample[0] if isinstance(sample[0], tuple) else (sample[0],)
             if not self._inputs_checked:  # the tensor group's ranks read the same batch
                 check_same_inputs(self.mesh, inputs, {})
                 self._inputs_checked = True
         else:
-            inputs = tuple(self._prev.wait(batch.activations.pop(mb)))
+            inputs = tuple(self._prev.wait(batch.activations.pop(key)))
         start = time.perf_counter()
-        out = self.module(inputs if len(inputs) > 1 else inputs[0])
-        if self.is_last_stage():
+        out = self.module(inputs if len(inputs) > 1 else inputs[0], chunk=chunk)
+        if last:
             loss_fn = self.module.loss_fn
             if loss_fn is not None and self._compute_loss:
                 out, logits = loss_fn(out, sample[1]), out
@@ -383,7 +416,7 @@ class PipelineEngine(ZerolapEngine):
                     batch.logits.append(logits)
             batch.losses.append(out.detach())
             if batch.train:
-                batch.outputs[mb] = out
+                batch.outputs[key] = out
         else:
             outs = out if isinstance(out, tuple) else (out,)
             for i, tensor in enumerate(outs):
@@ -393,26 +426,27 @@ class PipelineEngine(ZerolapEngine):
                         f"{type(tensor).__name__}; a stage passes a tensor or a tuple of tensors"
                     )
             if batch.train:
-                batch.outputs[mb] = outs
+                batch.outputs[key] = outs
         end = time.perf_counter()
         batch.compute_s += end - start
         batch.spans.append(("forward", mb, start, end))
         self._phase_recorders("forward", start, end)
-        if batch.train and not self.is_first_stage():
-            batch.inputs[mb] = inputs
-        if not self.is_last_stage():
-            self._next.send_activations(outs, mb, batch.train)
+        if batch.train and not first:
+            batch.inputs[key] = inputs
+        if not last:
+            self._next.send_activations(outs, mb, batch.train, self._global(chunk) + 1)
 
-    def _backward(self, mb: int, batch: _Batch) -> None:
-        outputs = batch.outputs.pop(mb)
-        if not self.is_last_stage():
-            grads = self._next.wait(batch.grads.pop(mb))
+    def _backward(self, mb: int, chunk: int, batch: _Batch, boundary: bool) -> None:
+        key, last = (chunk, mb), self._is_last_chunk(chunk)
+        outputs = batch.outputs.pop(key)
+        if not last:
+            grads = self._next.wait(batch.grads.pop(key))
             tensors = [t for t in outputs if t.requires_grad]
-        self._boundary = mb == batch.micro_batches - 1
+        self._boundary = boundary  # the batch's last backward reduces and ends the cycle
         self._open_backward("engine")
         start = time.perf_counter()
         try:
-            if self.is_last_stage():
+            if last:
                 self.nonfinite.observe_loss(outputs)
                 scale = self.loss_scaler.loss_scale / batch.micro_batches
                 (outputs.float() * scale).backward()
@@ -425,14 +459,14 @@ class PipelineEngine(ZerolapEngine):
         end = time.perf_counter()
         batch.compute_s += end - start
         batch.spans.append(("backward", mb, start, end))
-        if not self.is_first_stage():
-            inputs = batch.inputs.pop(mb)
+        if not self._is_first_chunk(chunk):
+            inputs = batch.inputs.pop(key)
             back = tuple(
                 t.grad if t.grad is not None else torch.zeros_like(t)
                 for t in inputs
                 if t.requires_grad
             )
-            self._prev.send_grads(back, mb)
+            self._prev.send_grads(back, mb, self._global(chunk) - 1)
 
     def _reduce_tied_grads(self) -> None:
         """A tied weight's gradient is the sum of its stages' (each already averaged over its

@@ -79,7 +79,9 @@ class PipelineModule(nn.Module):
     the same weights whichever stage builds it. ``activation_checkpoint_interval``: runs of that
     many layers are recomputed in backward (``activation_checkpoint_func``) rather than kept.
     ``dynamic_shape``: activation shapes may change between micro-batches (their metadata is
-    then sent with every message instead of once)."""
+    then sent with every message instead of once). ``virtual_stages`` (zerolap's, as
+    Megatron's virtual pipeline size): each rank holds that many chunks of layers, trained by
+    interleaved 1F1B (``pipe.schedule``)."""
 
     def __init__(
         self,
@@ -95,6 +97,7 @@ class PipelineModule(nn.Module):
         activation_checkpoint_func: Callable = checkpointing.checkpoint,
         checkpointable_layers: Sequence[str] | None = None,
         dynamic_shape: bool = False,
+        virtual_stages: int = 1,
     ) -> None:
         super().__init__()
         self.layer_list = list(layers)
@@ -123,42 +126,51 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
         self.dynamic_shape = dynamic_shape
+        if virtual_stages < 1 or (virtual_stages > 1 and self.num_stages < 2):
+            raise ValueError(
+                f"virtual_stages={virtual_stages}: chunks go round the stages, so more than one "
+                f"needs at least 2 stages (num_stages={self.num_stages})"
+            )
+        self.virtual_stages = virtual_stages
         weights = layer_weights(
             partition_method,
             param_counts=[_param_count(layer) for layer in self.layer_list],
             type_names=[_type_name(layer) for layer in self.layer_list],
         )
-        self.parts = balanced_bounds(weights, self.num_stages)
-        self._local_start = self.parts[self.stage_id]
-        self._local_stop = self.parts[self.stage_id + 1]
+        # Chunk g = c * P + s is rank s's chunk c: layers parts[g] to parts[g + 1].
+        self.parts = balanced_bounds(weights, self.num_stages * virtual_stages)
         # Registered before the layers, as in DeepSpeed: the parameter order (and so the
         # gradient buckets) puts tied weights last in backward.
         self.tied_modules = nn.ModuleDict()
         self.tied_weight_attrs: dict[str, list[str]] = {}
-        # How to call each local layer, resolved at every call (``forward_funcs``): by name
-        # for modules, so a module replaced after construction (split for tensor parallelism)
-        # is the one that runs.
-        self._calls: list[tuple[str, Any]] = []
-        self._build()
+        # How to call each of a chunk's layers, resolved at every call (``chunk_funcs``): by
+        # name for modules, so a module replaced after construction (split for tensor
+        # parallelism) is the one that runs.
+        self._calls: list[list[tuple[str, Any]]] = []
+        for chunk in range(virtual_stages):
+            g = chunk * self.num_stages + self.stage_id
+            self._calls.append(self._build(self.parts[g], self.parts[g + 1]))
 
     # -- construction -------------------------------------------------------------------------
 
-    def _build(self) -> None:
-        for index in range(self._local_start, self._local_stop):
+    def _build(self, start: int, stop: int) -> list[tuple[str, Any]]:
+        calls: list[tuple[str, Any]] = []
+        for index in range(start, stop):
             layer = self.layer_list[index]
             if isinstance(layer, TiedLayerSpec):
                 if layer.key not in self.tied_modules:
                     self.tied_modules[layer.key] = self._built(layer, index)
                     self.tied_weight_attrs[layer.key] = layer.tied_weight_attr
-                self._calls.append(("tied", (layer.key, layer.forward_fn)))
+                calls.append(("tied", (layer.key, layer.forward_fn)))
             elif isinstance(layer, LayerSpec):
                 self.add_module(str(index), self._built(layer, index))
-                self._calls.append(("module", str(index)))
+                calls.append(("module", str(index)))
             elif isinstance(layer, nn.Module):
                 self.add_module(str(index), layer)
-                self._calls.append(("module", str(index)))
+                calls.append(("module", str(index)))
             else:
-                self._calls.append(("function", layer))
+                calls.append(("function", layer))
+        return calls
 
     def _built(self, spec: LayerSpec, index: int) -> nn.Module:
         if self.seed_layers:
@@ -167,9 +179,13 @@ class PipelineModule(nn.Module):
 
     @property
     def forward_funcs(self) -> list[Callable]:
-        """This stage's layers as callables, in order."""
+        """This stage's layers as callables, in order (every chunk's, one after the other)."""
+        return [f for chunk in range(self.virtual_stages) for f in self.chunk_funcs(chunk)]
+
+    def chunk_funcs(self, chunk: int) -> list[Callable]:
+        """Chunk ``chunk``'s layers as callables, in order."""
         funcs = []
-        for kind, ref in self._calls:
+        for kind, ref in self._calls[chunk]:
             if kind == "module":
                 funcs.append(self._modules[ref])
             elif kind == "tied":
@@ -216,7 +232,8 @@ class PipelineModule(nn.Module):
         """The stage holding layer ``layer_index``."""
         if not 0 <= layer_index < len(self.layer_list):
             raise IndexError(f"layer {layer_index} of {len(self.layer_list)}")
-        return next(s for s in range(self.num_stages) if layer_index < self.parts[s + 1])
+        chunk = next(g for g in range(len(self.parts) - 1) if layer_index < self.parts[g + 1])
+        return chunk % self.num_stages
 
     def num_pipeline_stages(self) -> int:
         return self.num_stages
@@ -226,9 +243,13 @@ class PipelineModule(nn.Module):
 
     # -- running ------------------------------------------------------------------------------
 
-    def forward(self, forward_input):
+    def forward(self, forward_input, chunk: int | None = None):
+        """This stage's layers on ``forward_input``: chunk ``chunk``'s, or with one chunk per
+        rank (no virtual stages) all of them."""
+        if chunk is None and self.virtual_stages > 1:
+            raise ValueError("a PipelineModule with virtual stages runs one chunk: pass chunk=")
         interval = self.activation_checkpoint_interval
-        funcs = self.forward_funcs
+        funcs = self.chunk_funcs(chunk or 0)
         if interval == 0 or not torch.is_grad_enabled():
             return _run(funcs, forward_input)
         x = forward_input

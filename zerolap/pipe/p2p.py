@@ -28,8 +28,11 @@ from zerolap.comm.handle import CommError, Handle
 __all__ = ["Direction", "PipeError", "PipelineShapeError", "StageLink", "TensorMeta"]
 
 # Tags of pipeline traffic: far from the ring's (comm.ring.RING_TAG) and from tag 0, which user
-# sends default to. Micro-batches more than 4096 apart are never in flight together.
+# sends default to. A tag names the direction, the receiving chunk (its global index: the stage
+# without virtual stages), the micro-batch modulo 256 (never that many apart in flight) and the
+# tensor.
 PIPE_TAG = 0x5B000000
+MAX_CHUNKS = 64
 _MAX_TENSORS = 256
 _DTYPES = [
     torch.float32,
@@ -51,8 +54,8 @@ class Direction(Enum):
     METADATA = 2
 
 
-def _tag(direction: Direction, micro_batch: int, index: int) -> int:
-    return PIPE_TAG + (direction.value << 20) + ((micro_batch % 4096) << 8) + index
+def _tag(direction: Direction, channel: int, micro_batch: int, index: int) -> int:
+    return PIPE_TAG + (direction.value << 22) + (channel << 16) + ((micro_batch % 256) << 8) + index
 
 
 class PipeError(CommError):
@@ -107,8 +110,9 @@ class Pending:
         fail: Callable,
         direction: Direction,
         micro_batch: int,
+        channel: int,
     ) -> None:
-        self.direction, self.micro_batch = direction, micro_batch
+        self.direction, self.micro_batch, self.channel = direction, micro_batch, channel
         self.tensors = tensors
         self.handles = handles
         self._fail = fail
@@ -134,57 +138,59 @@ class StageLink:
     def __init__(self, *, stage: int, peer_stage: int, peer_rank: int, dynamic_shape: bool):
         self.stage, self.peer_stage, self.peer_rank = stage, peer_stage, peer_rank
         self.dynamic_shape = dynamic_shape
-        # Per mode (True: training): what the peer expects from us, what we expect from it.
-        self.sent_meta: dict[bool, tuple[TensorMeta, ...]] = {}
-        self.received_meta: dict[bool, tuple[TensorMeta, ...]] = {}
+        # Per (mode, receiving chunk) (mode True: training): what the peer expects from us, what
+        # we expect from it.
+        self.sent_meta: dict[tuple[bool, int], tuple[TensorMeta, ...]] = {}
+        self.received_meta: dict[tuple[bool, int], tuple[TensorMeta, ...]] = {}
         self._sends: list[tuple[Handle, tuple[torch.Tensor, ...]]] = []
         self.wait_s = 0.0  # time blocked in receives (a measure of exposed p2p)
         self.sent_bytes = 0
         # This batch's messages, for measuring exposed p2p across ranks (one host's monotonic
-        # clock): ("send", direction, micro-batch, issued, issued, bytes) as each is issued and
-        # ("wait", direction, micro-batch, began, ended, bytes) as each receive is awaited.
-        self.trace: list[tuple[str, str, int, float, float, int]] = []
+        # clock): ("send", direction, micro-batch, issued, issued, bytes, receiving chunk) as
+        # each is issued and ("wait", ...) with when it began and ended as each receive is
+        # awaited.
+        self.trace: list[tuple[str, str, int, float, float, int, int]] = []
 
     # -- sending ------------------------------------------------------------------------------
 
     def send_activations(
-        self, tensors: tuple[torch.Tensor, ...], micro_batch: int, train: bool
+        self, tensors: tuple[torch.Tensor, ...], micro_batch: int, train: bool, channel: int
     ) -> None:
         metas = describe(tensors)
-        known = self.sent_meta.get(train)
+        known = self.sent_meta.get((train, channel))
         if known is None or self.dynamic_shape:
-            self._send_meta(metas, micro_batch)
-            self.sent_meta[train] = metas
+            self._send_meta(metas, micro_batch, channel)
+            self.sent_meta[(train, channel)] = metas
         elif metas != known:
             raise PipelineShapeError(
                 f"pipeline stage {self.stage}: the outputs of micro-batch {micro_batch} are "
                 f"{_show(metas)} but were {_show(known)} before; pass dynamic_shape=True to "
                 "PipelineModule if they may change"
             )
-        self._send(Direction.ACTIVATIONS, tensors, micro_batch)
+        self._send(Direction.ACTIVATIONS, tensors, micro_batch, channel)
 
-    def send_grads(self, grads: tuple[torch.Tensor, ...], micro_batch: int) -> None:
-        self._send(Direction.GRADIENTS, grads, micro_batch)
+    def send_grads(self, grads: tuple[torch.Tensor, ...], micro_batch: int, channel: int) -> None:
+        self._send(Direction.GRADIENTS, grads, micro_batch, channel)
 
-    def _send_meta(self, metas: tuple[TensorMeta, ...], micro_batch: int) -> None:
+    def _send_meta(self, metas: tuple[TensorMeta, ...], micro_batch: int, channel: int) -> None:
         if len(metas) > _MAX_TENSORS:
             raise PipeError(
                 f"pipeline stage {self.stage} sends {len(metas)} tensors; at most {_MAX_TENSORS}"
             )
         words = _encode(metas)
         length = torch.tensor([words.numel()], dtype=torch.int64)
-        self._send(Direction.METADATA, (length, words), micro_batch)
+        self._send(Direction.METADATA, (length, words), micro_batch, channel)
 
-    def _send(self, direction: Direction, tensors, micro_batch: int) -> None:
+    def _send(self, direction: Direction, tensors, micro_batch: int, channel: int) -> None:
         issued, nbytes = time.perf_counter(), 0
         for index, tensor in enumerate(tensors):
             payload = tensor.detach().contiguous()
-            tag = _tag(direction, micro_batch, index)
+            tag = _tag(direction, channel, micro_batch, index)
             handle = dist.isend(payload, self.peer_rank, tag=tag)
             self._sends.append((handle, payload))
             nbytes += payload.numel() * payload.element_size()
         self.sent_bytes += nbytes
-        self.trace.append(("send", direction.name, micro_batch, issued, issued, nbytes))
+        self.trace.append(("send", direction.name, micro_batch, issued, issued, nbytes, channel))
 
     def reap(self) -> None:
         """Finish completed sends (their tensors may then be freed)."""
@@ -206,22 +212,25 @@ class StageLink:
 
     # -- receiving ----------------------------------------------------------------------------
 
-    def post_activations(self, micro_batch: int, train: bool) -> Pending:
-        """Post the receives of ``micro_batch``'s activations (the metadata first, blocking,
-        when it is still unknown)."""
-        if train not in self.received_meta or self.dynamic_shape:
-            self.received_meta[train] = self._receive_meta(micro_batch)
-        metas = self.received_meta[train]
+    def post_activations(self, micro_batch: int, train: bool, channel: int) -> Pending:
+        """Post the receives of ``micro_batch``'s activations for chunk ``channel`` (the
+        metadata first, blocking, when it is still unknown)."""
+        key = (train, channel)
+        if key not in self.received_meta or self.dynamic_shape:
+            self.received_meta[key] = self._receive_meta(micro_batch, channel)
+        metas = self.received_meta[key]
         tensors = [torch.empty(m.shape, dtype=m.dtype) for m in metas]
-        pending = self._post(Direction.ACTIVATIONS, tensors, micro_batch, "activations")
+        pending = self._post(Direction.ACTIVATIONS, tensors, micro_batch, channel, "activations")
         pending._wants_grad = [train and m.sends_grad for m in metas]
         return pending
 
-    def post_grads(self, micro_batch: int, outputs: tuple[torch.Tensor, ...]) -> Pending:
-        """Post the receives of the gradients of ``outputs``, ``micro_batch``'s outputs sent
-        to this peer in training."""
+    def post_grads(
+        self, micro_batch: int, outputs: tuple[torch.Tensor, ...], channel: int
+    ) -> Pending:
+        """Post the receives of the gradients of ``outputs``, ``micro_batch``'s outputs of
+        chunk ``channel`` sent to this peer in training."""
         tensors = [torch.empty_like(t) for t in outputs if t.requires_grad]
-        return self._post(Direction.GRADIENTS, tensors, micro_batch, "gradients")
+        return self._post(Direction.GRADIENTS, tensors, micro_batch, channel, "gradients")
 
     def wait(self, pending: Pending) -> list[torch.Tensor]:
         start = time.perf_counter()
@@ -232,24 +241,34 @@ class StageLink:
             self.wait_s += end - start
             nbytes = sum(t.numel() * t.element_size() for t in pending.tensors)
             self.trace.append(
-                ("wait", pending.direction.name, pending.micro_batch, start, end, nbytes)
+                (
+                    "wait",
+                    pending.direction.name,
+                    pending.micro_batch,
+                    start,
+                    end,
+                    nbytes,
+                    pending.channel,
+                )
             )
 
-    def _receive_meta(self, micro_batch: int) -> tuple[TensorMeta, ...]:
+    def _receive_meta(self, micro_batch: int, channel: int) -> tuple[TensorMeta, ...]:
         length = torch.empty(1, dtype=torch.int64)
-        self._post(Direction.METADATA, [length], micro_batch, "metadata", index=0).wait()
+        self._post(Direction.METADATA, [length], micro_batch, channel, "metadata").wait()
         words = torch.empty(int(length.item()), dtype=torch.int64)
-        self._post(Direction.METADATA, [words], micro_batch, "metadata", index=1).wait()
+        self._post(Direction.METADATA, [words], micro_batch, channel, "metadata", 1).wait()
         return _decode(words.tolist())
 
-    def _post(self, direction, tensors, micro_batch: int, what: str, index: int = 0) -> Pending:
+    def _post(
+        self, direction, tensors, micro_batch: int, channel: int, what: str, index: int = 0
+    ) -> Pending:
         handles = [
-            dist.irecv(t, self.peer_rank, tag=_tag(direction, micro_batch, index + i))
+            dist.irecv(t, self.peer_rank, tag=_tag(direction, channel, micro_batch, index + i))
             for i, t in enumerate(tensors)
         ]
         doing = f"waiting for the {what} of micro-batch {micro_batch} from stage {self.peer_stage}"
         return Pending(
-            tensors, handles, lambda err: self._fault(doing, err), direction, micro_batch
+            tensors, handles, lambda err: self._fault(doing, err), direction, micro_batch, channel
         )
 
     def _fault(self, doing: str, err: Exception) -> PipeError:

@@ -14,39 +14,47 @@ from __future__ import annotations
 
 import statistics
 
-from zerolap.pipe.schedule import one_f_one_b, simulate, theoretical_bubble
+from zerolap.pipe.schedule import schedule, simulate, theoretical_bubble
 
 __all__ = ["batch_report"]
 
 
 def batch_report(stages: list[dict]) -> dict:
     """``stages``: every stage's ``last_stats`` of one train_batch, in stage order."""
-    count, micro_batches = len(stages), stages[0]["micro_batches"]
+    count, micro_batches, chunks = len(stages), stages[0]["micro_batches"], stages[0]["chunks"]
     begin = min(s["start"] for s in stages)
     window = max(s["start"] + s["schedule_s"] for s in stages) - begin
     schedules = [
-        one_f_one_b(stages=count, stage=s, micro_batches=micro_batches) for s in range(count)
+        schedule(stages=count, stage=s, micro_batches=micro_batches, chunks=chunks)
+        for s in range(count)
     ]
-    forward = [_median(s["steps"], "forward") for s in stages]
-    backward = [_median(s["steps"], "backward") for s in stages]
-    ideal = simulate(schedules, forward_s=forward, backward_s=backward)
+    # A stage's forward and backward: its chunks' median step times its chunks.
+    forward = [_median(s["steps"], "forward") * chunks for s in stages]
+    backward = [_median(s["steps"], "backward") * chunks for s in stages]
+    ideal = simulate(schedules, forward_s=forward, backward_s=backward, chunks=chunks)
     sent = {
-        (direction, mb): issued
+        (direction, mb, channel): issued
         for s in stages
-        for kind, direction, mb, issued, _, _ in s["p2p"]
+        for kind, direction, mb, issued, _, _, channel in s["p2p"]
         if kind == "send"
     }
     exposed = []
     for s in stages:
         waits = [e for e in s["p2p"] if e[0] == "wait" and e[1] != "METADATA"]
         exposed.append(
-            sum(max(0.0, end - max(began, sent[(d, mb)])) for _, d, mb, began, end, _ in waits)
+            sum(
+                max(0.0, end - max(began, sent[(d, mb, channel)]))
+                for _, d, mb, began, end, _, channel in waits
+            )
         )
     return {
         "micro_batches": micro_batches,
+        "chunks": chunks,
         "batch_s": window,
         "bubble": [1.0 - s["compute_s"] / window for s in stages],
-        "bubble_formula": theoretical_bubble(stages=count, micro_batches=micro_batches),
+        "bubble_formula": theoretical_bubble(
+            stages=count, micro_batches=micro_batches, chunks=chunks
+        ),
         "bubble_simulated": [1.0 - busy / span for busy, span in ideal],
         "forward_s": forward,
         "backward_s": backward,

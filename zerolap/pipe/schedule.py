@@ -7,10 +7,17 @@ one backward until every micro-batch is in flight, then runs the remaining backw
 with equal forward and backward costs on every stage each stage idles ``(p - 1) / (m + p - 1)``
 of the batch: the *bubble*.
 
-Messages follow from the steps: a forward on stage ``s > 0`` needs the activations of its
-micro-batch from stage ``s - 1``; a backward on stage ``s < p - 1`` needs the gradients of its
-outputs from stage ``s + 1``. Each stage receives in micro-batch order in each direction, which is
-the order its neighbour sends in, so plain per-peer send and receive never cross.
+Interleaved 1F1B (Megatron's virtual stages): the layers are split into ``p x v`` chunks and
+rank ``s`` holds chunks ``s, s + p, s + 2p, ...``, so a micro-batch goes round the ranks ``v``
+times. Each step is a chunk's, ``1 / v`` of a stage's work, and the warm-up and cool-down are
+counted in those smaller steps: the bubble falls to ``(p - 1) / (v m + p - 1)``, for ``v``
+times the messages. Micro-batches go in groups of ``p``: ``m`` must be a multiple of ``p``.
+
+Messages follow from the steps: a forward of global chunk ``g > 0`` needs the activations of
+its micro-batch from chunk ``g - 1`` (on the previous rank, the last rank's going round to rank
+0); a backward of a chunk before the last needs the gradients of its outputs from chunk
+``g + 1``. Each rank receives from a neighbour in the order that neighbour sends in, so plain
+per-peer send and receive never cross.
 """
 
 from __future__ import annotations
@@ -22,7 +29,9 @@ __all__ = [
     "Op",
     "Step",
     "forward_only",
+    "interleaved_1f1b",
     "one_f_one_b",
+    "schedule",
     "simulate",
     "theoretical_bubble",
 ]
@@ -37,6 +46,7 @@ class Op(Enum):
 class Step:
     op: Op
     micro_batch: int
+    chunk: int = 0  # which of the rank's chunks (always 0 without virtual stages)
 
 
 def one_f_one_b(*, stages: int, stage: int, micro_batches: int) -> list[Step]:
@@ -49,14 +59,46 @@ def one_f_one_b(*, stages: int, stage: int, micro_batches: int) -> list[Step]:
     return steps
 
 
-def forward_only(*, micro_batches: int) -> list[Step]:
-    """Evaluation: every micro-batch forward, in order, on every stage."""
-    return [Step(Op.FORWARD, i) for i in range(micro_batches)]
+def interleaved_1f1b(*, stages: int, stage: int, micro_batches: int, chunks: int) -> list[Step]:
+    """Stage ``stage``'s steps under interleaved 1F1B with ``chunks`` chunks per rank
+    (Megatron's order: ``p`` micro-batches through one chunk, then the same through the next)."""
+    if micro_batches % stages:
+        raise ValueError(
+            f"interleaved 1F1B takes micro-batches in groups of the {stages} stages; "
+            f"gradient_accumulation_steps={micro_batches} is not a multiple of it"
+        )
+    total = micro_batches * chunks
+    warmup = min((stages - stage - 1) * 2 + (chunks - 1) * stages, total)
+
+    def step(op: Op, k: int) -> Step:
+        chunk = (k // stages) % chunks
+        mb = (k // (stages * chunks)) * stages + k % stages
+        return Step(op, mb, chunk if op is Op.FORWARD else chunks - 1 - chunk)
+
+    steps = [step(Op.FORWARD, k) for k in range(warmup)]
+    for i in range(total - warmup):
+        steps += [step(Op.FORWARD, warmup + i), step(Op.BACKWARD, i)]
+    steps += [step(Op.BACKWARD, k) for k in range(total - warmup, total)]
+    return steps
 
 
-def theoretical_bubble(*, stages: int, micro_batches: int) -> float:
-    """The idle fraction of each stage under 1F1B with equal costs everywhere."""
-    return (stages - 1) / (micro_batches + stages - 1)
+def schedule(*, stages: int, stage: int, micro_batches: int, chunks: int = 1) -> list[Step]:
+    """The training schedule: 1F1B, interleaved when a rank holds several chunks."""
+    if chunks == 1:
+        return one_f_one_b(stages=stages, stage=stage, micro_batches=micro_batches)
+    return interleaved_1f1b(stages=stages, stage=stage, micro_batches=micro_batches, chunks=chunks)
+
+
+def forward_only(*, stages: int = 1, micro_batches: int, chunks: int = 1) -> list[Step]:
+    """Evaluation: every micro-batch forward through every chunk, in the training schedule's
+    forward order."""
+    steps = schedule(stages=stages, stage=0, micro_batches=micro_batches, chunks=chunks)
+    return [s for s in steps if s.op is Op.FORWARD]
+
+
+def theoretical_bubble(*, stages: int, micro_batches: int, chunks: int = 1) -> float:
+    """The idle fraction of each stage under (interleaved) 1F1B with equal costs everywhere."""
+    return (stages - 1) / (chunks * micro_batches + stages - 1)
 
 
 def simulate(
@@ -64,14 +106,16 @@ def simulate(
     *,
     forward_s: float | list[float] = 1.0,
     backward_s: float | list[float] = 2.0,
+    chunks: int = 1,
 ) -> list[tuple[float, float]]:
-    """Run each stage's steps with the given costs (one for all stages, or one per stage) and
-    free messages; per stage, ``(busy, span)``: its compute time and the time from the batch's
-    start to the last stage's end. Raises ``RuntimeError`` on a deadlock (a step whose input
-    is never produced)."""
+    """Run each stage's steps with the given costs (of a whole stage, one for all stages or one
+    per stage; a chunk's step costs ``1 / chunks`` of it) and free messages; per stage,
+    ``(busy, span)``: its compute time and the time from the batch's start to the last stage's
+    end. Raises ``RuntimeError`` on a deadlock (a step whose input is never produced)."""
     stages = len(schedules)
     forward_s = forward_s if isinstance(forward_s, list) else [forward_s] * stages
     backward_s = backward_s if isinstance(backward_s, list) else [backward_s] * stages
+    last = stages * chunks - 1  # the global index of the last chunk
     done: dict[tuple[int, Op, int], float] = {}
     position, clock = [0] * stages, [0.0] * stages
     busy = [0.0] * stages
@@ -81,20 +125,21 @@ def simulate(
         for s, steps in enumerate(schedules):
             while position[s] < len(steps):
                 step = steps[position[s]]
+                g, mb = step.chunk * stages + s, step.micro_batch  # the chunk's global index
                 if step.op is Op.FORWARD:
-                    needs = (s - 1, Op.FORWARD, step.micro_batch) if s > 0 else None
-                    cost = forward_s[s]
+                    needs = (g - 1, Op.FORWARD, mb) if g > 0 else None
+                    cost = forward_s[s] / chunks
                 else:
-                    needs = (s + 1, Op.BACKWARD, step.micro_batch) if s < stages - 1 else None
-                    cost = backward_s[s]
+                    needs = (g + 1, Op.BACKWARD, mb) if g < last else None
+                    cost = backward_s[s] / chunks
                 if needs is not None and needs not in done:
                     break
-                if step.op is Op.BACKWARD and (s, Op.FORWARD, step.micro_batch) not in done:
+                if step.op is Op.BACKWARD and (g, Op.FORWARD, mb) not in done:
                     break  # its own forward has not run: it never will before this
                 start = max(clock[s], done[needs] if needs is not None else 0.0)
                 clock[s] = start + cost
                 busy[s] += cost
-                done[(s, step.op, step.micro_batch)] = clock[s]
+                done[(g, step.op, mb)] = clock[s]
                 position[s] += 1
                 progressed = True
     stuck = [s for s in range(stages) if position[s] < len(schedules[s])]
