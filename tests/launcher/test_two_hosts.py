@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -139,4 +140,5 @@ def test_a_rank_killed_on_one_host_fails_the_other_host(hosts, tmp_path):
     (code_a, output_a), (code_b, _) = two_hosts(hosts, tmp_path, stage=2, kill=3)
     assert code_a != 0 and code_b != 0
     assert "CommError" in output_a, output_a[-3000:]
-    assert "rank 3 closed the connection" in output_a, output_a[-3000:]
+    # Rank 3 dies; host B's launcher then stops rank 2 too, so host A may hear of either first.
+    assert re.search(r"rank [23] closed the connection", output_a), output_a[-3000:]

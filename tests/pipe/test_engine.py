@@ -30,17 +30,20 @@ def _config(stage: int, gas: int, clip: float = models.CLIP, **extra) -> dict:
     }
 
 
-def train(stages: int, gas: int, stage: int, chunks: int = 1, steps: int = STEPS):
+def train(stages: int, gas: int, stage: int, chunks: int = 1, **config):
+    """``STEPS`` train_batch calls: the losses, norms, parameters, stats and, for
+    tensor-parallel pieces, their splits."""
     module = models.pipeline(stages, virtual_stages=chunks)
-    engine, *_ = zerolap.initialize(model=module, config=_config(stage, gas))
+    engine, *_ = zerolap.initialize(model=module, config=_config(stage, gas, **config))
     data, data_rank = engine.dp_world_size, engine.get_data_parallel_rank()
     losses, norms = [], []
-    for step in range(steps):
+    for step in range(STEPS):
         batches = models.micro_batches(step, gas, data, data_rank)
         losses.append(engine.train_batch(iter(batches)).item())
         norms.append(engine.get_global_grad_norm())
     params = {n: p.detach().clone() for n, p in module.named_parameters()}
-    return losses, norms, params, engine.last_stats
+    splits = {n: getattr(p, "tp_split", None) for n, p in module.named_parameters()}
+    return losses, norms, params, engine.last_stats, splits
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -75,7 +78,7 @@ def test_pipeline_equals_gradient_accumulation(ranks, world, stages, gas, stage,
     results = ranks(world).run(train, stages, gas, stage, chunks)
     ref_losses, ref_norms, ref_params = models.reference(STEPS, gas, world // stages)
     merged: dict[str, torch.Tensor] = {}
-    for losses, norms, params, stats in results:
+    for losses, norms, params, stats, _ in results:
         assert losses == pytest.approx(ref_losses, rel=1e-6)  # on every stage, as DeepSpeed
         assert norms == pytest.approx(ref_norms, rel=1e-6)
         for name, value in params.items():
@@ -273,32 +276,17 @@ TP_SPLIT = {
 }
 
 
-def train_3d(stage: int, gas: int):
-    module = models.pipeline(2)
-    config = _config(stage, gas, tensor_parallel=TP_SPLIT)
-    engine, *_ = zerolap.initialize(model=module, config=config)
-    data, data_rank = engine.dp_world_size, engine.get_data_parallel_rank()
-    losses, norms = [], []
-    for step in range(STEPS):
-        batches = models.micro_batches(step, gas, data, data_rank)
-        losses.append(engine.train_batch(iter(batches)).item())
-        norms.append(engine.get_global_grad_norm())
-    params = {n: p.detach().clone() for n, p in module.named_parameters()}
-    splits = {n: getattr(p, "tp_split", None) for n, p in module.named_parameters()}
-    return losses, norms, params, splits, engine.mesh.pipe_rank
-
-
 @pytest.mark.parametrize("stage", [1, 2])
 def test_pipeline_with_tensor_parallelism_equals_gradient_accumulation(ranks, stage):
     """3D on 4 processes: 2 stages x tensor parallelism 2 (each stage's MLPs split column- and
     row-wise by DeepSpeed-style layer specs)."""
-    results = ranks(4).run(train_3d, stage, 4)
+    results = ranks(4).run(train, 2, 4, stage, tensor_parallel=TP_SPLIT)
     ref_losses, ref_norms, ref_params = models.reference(STEPS, 4, 1)
     seen = set()
-    for losses, norms, params, splits, pipe_rank in results:
+    for losses, norms, params, stats, splits in results:
         assert losses == pytest.approx(ref_losses, rel=1e-6)
         assert norms == pytest.approx(ref_norms, rel=1e-6)
-        assert any(s is not None for s in splits.values()), pipe_rank  # split indeed
+        assert any(s is not None for s in splits.values()), stats["stage"]  # split indeed
         for name, value in params.items():
             split = splits[name]
             expected = ref_params[name] if split is None else split.take(ref_params[name])

@@ -91,14 +91,21 @@ class TPPlan:
     """Every ``nn.Linear`` / ``Conv1D`` must be matched by a rule (``skip`` counts)."""
 
 
+def _gpt_block_rules(block: str) -> tuple[Rule, ...]:
+    """The demo GPT's blocks (named by the regex ``block``): QKV split per head, MLP in
+    columns, both outputs in rows."""
+    return (
+        Rule(block + r"attn\.qkv", "colwise", parts=3),
+        Rule(block + r"attn\.proj", "rowwise"),
+        Rule(block + r"mlp\.0", "colwise"),
+        Rule(block + r"mlp\.2", "rowwise"),
+    )
+
+
 def _gpt_plan() -> TPPlan:
-    block = r"blocks\.\d+\."
     return TPPlan(
         rules=(
-            Rule(block + r"attn\.qkv", "colwise", parts=3),
-            Rule(block + r"attn\.proj", "rowwise"),
-            Rule(block + r"mlp\.0", "colwise"),
-            Rule(block + r"mlp\.2", "rowwise"),
+            *_gpt_block_rules(r"blocks\.\d+\."),
             Rule("tok_emb", "vocab"),
             Rule("head", "vocab"),
             Rule("criterion", "vocab"),
@@ -159,14 +166,8 @@ def preset_plan(name: str) -> TPPlan:
 def _gpt_pipeline_plan() -> TPPlan:
     """The demo GPT as pipeline layers (``demo.gpt.pipeline_layers``): its blocks are layers
     named by their index; the embedding and LM head, tied across stages, stay whole."""
-    block = r"\d+\."
     return TPPlan(
-        rules=(
-            Rule(block + r"attn\.qkv", "colwise", parts=3),
-            Rule(block + r"attn\.proj", "rowwise"),
-            Rule(block + r"mlp\.0", "colwise"),
-            Rule(block + r"mlp\.2", "rowwise"),
-        ),
+        rules=_gpt_block_rules(r"\d+\."),
         divide={"CausalSelfAttention": ("n_head",)},
         name="zerolap GPT pipeline",
     )
