@@ -395,3 +395,50 @@ def test_interleaved_evaluation_and_report(ranks):
         assert loss == pytest.approx(want, rel=1e-6)
         assert report["chunks"] == 2
         assert report["bubble_formula"] == pytest.approx(1 / 9)  # (p-1) / (v m + p - 1)
+
+
+def review_fixes():
+    """Things a client relies on: no hang with ignore_unused_parameters false, an evaluation
+    whose last batch is shorter, logits without a loss, and training_data feeding
+    train_batch() with no argument."""
+    config = _config(1, 2)
+    config["zero_optimization"]["ignore_unused_parameters"] = False
+    dataset = [models.micro_batches(s, 1, 1, 0)[0] for s in range(4)]
+    dataset = [(tokens[0], targets[0]) for tokens, targets in dataset]  # samples
+    engine, *_ = zerolap.initialize(model=models.pipeline(2), config=config, training_data=dataset)
+    losses = [engine.train_batch().item() for _ in range(3)]
+    full = models.micro_batches(0, 2, 1, 0)
+    short = [(t[:1], y[:1]) for t, y in full]
+    evals = [engine.eval_batch(iter(b)).item() for b in (full, short, full)]
+    outputs = engine.eval_batch(iter(full), return_logits=True, compute_loss=False)
+    return losses, evals, outputs[1]
+
+
+def test_review_fixes(ranks):
+    first, last = ranks(2).run(review_fixes)
+    assert len(first[0]) == 3 and first[1] == last[1]
+    assert first[1][0] == pytest.approx(first[1][2])  # same batch, same loss
+    assert first[2] is None and len(last[2]) == 2  # logits on the last stage
+    assert last[2][0].shape == (models.MICRO, models.SEQ, models.VOCAB)
+
+
+def stage_without_blocks():
+    from zerolap.demo.gpt import GPT, GPTConfig, pipeline_layers, pipeline_loss, synthetic_batch
+    from zerolap.pipe import PipelineModule
+
+    cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=4, d_model=16)
+    torch.manual_seed(0)
+    layers = pipeline_layers(GPT(cfg))  # embed, positions, 1 block, norm, head
+    module = PipelineModule(layers, num_stages=2, loss_fn=pipeline_loss, partition_method="uniform")
+    config = _config(1, 2, tensor_parallel={"autotp_size": 2})
+    engine, *_ = zerolap.initialize(model=module, config=config)
+    tokens, targets = synthetic_batch(cfg, 4, seed=0)
+    engine.train_batch(iter([(tokens[:2], targets[:2]), (tokens[2:], targets[2:])]))
+    return engine.stage_id, any(getattr(p, "tp_split", None) for p in module.parameters())
+
+
+def test_a_stage_the_tensor_plan_does_not_touch(ranks):
+    """The demo GPT's plan decided on the whole layer list: stage 1 (norm and tied head)
+    holds nothing to split and trains whole beside stage 0's split block."""
+    answers = ranks(4).run(stage_without_blocks)
+    assert sorted(answers) == [(0, True), (0, True), (1, False), (1, False)]

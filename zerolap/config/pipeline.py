@@ -30,8 +30,8 @@ class PipelineConfig(ConfigSection):
     activation_checkpoint_interval: int | None = Field(None, ge=0)
     """When set, must equal the module's ``activation_checkpoint_interval``."""
     pipe_partitioned: bool = True
-    """DeepSpeed splits activations across the tensor group between stages. Pipelines run
-    without tensor parallelism here (one rank per stage copy), so there is nothing to split and
-    either value trains identically, as in DeepSpeed at tensor size 1."""
+    """DeepSpeed splits activations across the tensor group between stages and all-gathers them
+    on arrival. Either value trains identically. At tensor size 1 there is nothing to split (as
+    in DeepSpeed); above it zerolap sends each tensor rank's whole copy and says so at start."""
     grad_partitioned: bool = True
     """The same for the gradients going back."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 
 import zerolap.comm as dist
+from zerolap.accelerator import get_accelerator
 from zerolap.config import ConfigError
 from zerolap.pipe.module import PipelineModule
 from zerolap.pipe.p2p import MAX_CHUNKS, StageLink
@@ -77,6 +78,12 @@ def check_pipeline_config(config, model, mpu) -> None:
             "zero_optimization.stage=3 with a PipelineModule: a pipeline stage keeps its "
             "layers' parameters whole between micro-batches; use stage 0, 1 or 2 (each shards "
             "over the stage's data-parallel group)"
+        )
+    if dist.get_backend() != "gloo" or get_accelerator().device_name() != "cpu":
+        raise ConfigError(
+            f"a PipelineModule on the {dist.get_backend()} backend "
+            f"({get_accelerator().device_name()}): pipeline parallelism runs on gloo with CPU "
+            "tensors in this version (its early-posted receives rely on gloo's tag matching)"
         )
     tp = config.tensor_parallel
     if mpu is not None:
@@ -201,8 +208,9 @@ class PipelineEngine(ZerolapEngine):
         return frozenset(id(p) for p in self._tied_params())
 
     def _broadcast_initial_state(self) -> None:
-        """Every stage's copy of a tied weight starts as the lowest holder's (after the
-        data-parallel copies agreed). Every rank creates every tie group, in one order."""
+        """Every stage's copy of a tied weight starts as the copy on the stage of the tie's
+        first layer (after the data-parallel copies agreed). Every rank creates every tie
+        group, in one order."""
         super()._broadcast_initial_state()
         dims, mine = self.mesh.dims, self.mesh
         self._tie_groups: dict[str, object] = {}
@@ -293,6 +301,9 @@ class PipelineEngine(ZerolapEngine):
         data = self._data(data_iter)
         self.module.eval()
         batch = _Batch(micro_batches, train=False)
+        for link in (self._prev, self._next):
+            if link is not None:  # shapes may differ from the last evaluation's (a last, short
+                link.forget(train=False)  # batch): both sides send and expect metadata afresh
         self._compute_loss = compute_loss
         try:
             with torch.no_grad():
@@ -410,10 +421,10 @@ class PipelineEngine(ZerolapEngine):
         out = self.module(inputs if len(inputs) > 1 else inputs[0], chunk=chunk)
         if last:
             loss_fn = self.module.loss_fn
+            if not batch.train:
+                batch.logits.append(out)
             if loss_fn is not None and self._compute_loss:
-                out, logits = loss_fn(out, sample[1]), out
-                if not batch.train:
-                    batch.logits.append(logits)
+                out = loss_fn(out, sample[1])
             batch.losses.append(out.detach())
             if batch.train:
                 batch.outputs[key] = out
@@ -455,10 +466,9 @@ class PipelineEngine(ZerolapEngine):
         except BaseException:
             self._backward_kind = None
             raise
-        self._close_backward(start)
-        end = time.perf_counter()
-        batch.compute_s += end - start
-        batch.spans.append(("backward", mb, start, end))
+        # The inputs' gradients go back before the end-of-backward wait: the previous stage
+        # is waiting for them, and the wait (at the batch's last backward) may hold a
+        # collective of the whole job (ignore_unused_parameters: false) it must reach first.
         if not self._is_first_chunk(chunk):
             inputs = batch.inputs.pop(key)
             back = tuple(
@@ -467,6 +477,10 @@ class PipelineEngine(ZerolapEngine):
                 if t.requires_grad
             )
             self._prev.send_grads(back, mb, self._global(chunk) - 1)
+        self._close_backward(start)
+        end = time.perf_counter()
+        batch.compute_s += end - start
+        batch.spans.append(("backward", mb, start, end))
 
     def _reduce_tied_grads(self) -> None:
         """A tied weight's gradient is the sum of its stages' (each already averaged over its

@@ -1,10 +1,12 @@
 """How pipeline stages talk: activations to the next stage, their gradients back, point to point.
 
 Every message is a plain ``isend`` / ``irecv`` between two neighbours (no ``batch_isend_irecv``,
-which is fragile on gloo), with a tag naming its direction, micro-batch and tensor, so a receive
-matches exactly one send whatever else is in flight. Each direction carries its messages in
-micro-batch order (``pipe.schedule``), so a receive can be posted early, before the compute that
-precedes it, and the transfer runs on the backend's threads meanwhile.
+which is fragile on gloo), with a tag naming its direction, receiving chunk, micro-batch and
+tensor, so a receive matches exactly one send whatever else is in flight (gloo matches by tag;
+NCCL, which runs a pair's operations in posting order, is not used for pipelines). Each
+direction carries its messages in micro-batch order (``pipe.schedule``), so a receive can be
+posted early, before the compute that precedes it, and the transfer runs on the backend's
+threads meanwhile.
 
 A stage's outputs may be a tensor or a tuple of tensors, of any dtype; gradients go back only
 for the floating ones that require grad. Their metadata (count, dtypes, shapes, requires_grad)
@@ -111,12 +113,13 @@ class Pending:
         direction: Direction,
         micro_batch: int,
         channel: int,
+        wants_grad: list[bool] | None = None,
     ) -> None:
         self.direction, self.micro_batch, self.channel = direction, micro_batch, channel
         self.tensors = tensors
         self.handles = handles
         self._fail = fail
-        self._wants_grad: list[bool] = []  # received activations that will take a gradient
+        self._wants_grad = wants_grad or []  # received activations that will take a gradient
 
     def wait(self) -> list[torch.Tensor]:
         for handle in self.handles:
@@ -192,6 +195,13 @@ class StageLink:
         self.sent_bytes += nbytes
         self.trace.append(("send", direction.name, micro_batch, issued, issued, nbytes, channel))
 
+    def forget(self, *, train: bool) -> None:
+        """Forget one mode's metadata: the next message of that mode carries it again (both
+        ends must forget together)."""
+        for known in (self.sent_meta, self.received_meta):
+            for key in [k for k in known if k[0] == train]:
+                del known[key]
+
     def reap(self) -> None:
         """Finish completed sends (their tensors may then be freed)."""
         done = [(h, t) for h, t in self._sends if h.is_completed()]
@@ -220,9 +230,10 @@ class StageLink:
             self.received_meta[key] = self._receive_meta(micro_batch, channel)
         metas = self.received_meta[key]
         tensors = [torch.empty(m.shape, dtype=m.dtype) for m in metas]
-        pending = self._post(Direction.ACTIVATIONS, tensors, micro_batch, channel, "activations")
-        pending._wants_grad = [train and m.sends_grad for m in metas]
-        return pending
+        wants = [train and m.sends_grad for m in metas]
+        return self._post(
+            Direction.ACTIVATIONS, tensors, micro_batch, channel, "activations", wants_grad=wants
+        )
 
     def post_grads(
         self, micro_batch: int, outputs: tuple[torch.Tensor, ...], channel: int
@@ -260,16 +271,22 @@ class StageLink:
         return _decode(words.tolist())
 
     def _post(
-        self, direction, tensors, micro_batch: int, channel: int, what: str, index: int = 0
+        self,
+        direction,
+        tensors,
+        micro_batch: int,
+        channel: int,
+        what: str,
+        index: int = 0,
+        wants_grad: list[bool] | None = None,
     ) -> Pending:
         handles = [
             dist.irecv(t, self.peer_rank, tag=_tag(direction, channel, micro_batch, index + i))
             for i, t in enumerate(tensors)
         ]
         doing = f"waiting for the {what} of micro-batch {micro_batch} from stage {self.peer_stage}"
-        return Pending(
-            tensors, handles, lambda err: self._fault(doing, err), direction, micro_batch, channel
-        )
+        fail = lambda err: self._fault(doing, err)  # noqa: E731
+        return Pending(tensors, handles, fail, direction, micro_batch, channel, wants_grad)
 
     def _fault(self, doing: str, err: Exception) -> PipeError:
         return PipeError(

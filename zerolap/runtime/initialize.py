@@ -14,6 +14,7 @@ from zerolap.runtime.lr_schedules import build_scheduler
 from zerolap.runtime.optimizers import build_optimizer
 from zerolap.tensor_parallel.plan import parallelize, plan_from_config
 from zerolap.topology import Mesh, build_mesh, mesh_from_mpu
+from zerolap.utils import RepeatingLoader
 from zerolap.utils.logging import logger
 
 __all__ = ["initialize", "tp_model_init"]
@@ -177,9 +178,35 @@ def _mesh(tp, mpu, model) -> tuple[Mesh, dict[int, torch.nn.Parameter]]:
     if tp.size == 1:
         return mesh, {}
     dense = dict(model.named_parameters(remove_duplicate=False))
-    parallelize(model, mesh.tensor_group, plan_from_config(tp, model), overlap=tp.overlap_mode)
+    if isinstance(model, PipelineModule):
+        _split_stages(model, mesh, tp)
+    else:
+        parallelize(model, mesh.tensor_group, plan_from_config(tp, model), overlap=tp.overlap_mode)
     split = dict(model.named_parameters(remove_duplicate=False))
     return mesh, {id(dense[n]): p for n, p in split.items() if dense.get(n) is not p}
+
+
+def _split_stages(model: PipelineModule, mesh: Mesh, tp) -> None:
+    """Each pipeline stage split by the plan; the stages agree on the outcome before going on
+    (a stage may match nothing, the whole model must match something, and one stage's error
+    is every stage's)."""
+    problem = None
+    try:
+        plan = plan_from_config(tp, model)
+        parallelize(model, mesh.tensor_group, plan, overlap=tp.overlap_mode, match_required=False)
+    except ValueError as err:
+        problem = str(err)
+    pieces = sum(1 for p in model.parameters() if getattr(p, "tp_split", None) is not None)
+    views: list = [None] * dist.get_world_size()
+    dist.all_gather_object(views, (problem, pieces))
+    for rank, (why, _) in enumerate(views):
+        if why is not None:
+            raise ConfigError(f"tensor parallelism on pipeline rank {rank}: {why}")
+    if not any(count for _, count in views):
+        raise ConfigError(
+            "tensor parallelism: the plan matched no module of any pipeline stage; give "
+            "tensor_parallel.partition_config.layer_specs naming its layers' weights"
+        )
 
 
 def _to_split(model_parameters, optimizer, replaced: dict[int, torch.nn.Parameter]):
@@ -275,4 +302,6 @@ def initialize(
         mesh=mesh,
     )
     loader = _dataloader(training_data, cfg, collate_fn, mesh.data_group)
+    if loader is not None and isinstance(engine, PipelineEngine):
+        engine.set_dataiterator(iter(RepeatingLoader(loader)))  # train_batch() without data_iter
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -4,7 +4,8 @@ The norm for clipping is summed over every rank holding a piece of the model (th
 shards, the tensor group, the pipeline's stages). A parameter held alike by several of them must
 be counted once: one replicated across the tensor group (a norm's weight, a row-parallel bias)
 is counted by tensor rank 0; one tied across pipeline stages (an embedding shared with the LM
-head) by the lowest stage that holds it. Split pieces and a stage's own layers count everywhere.
+head) by the stage holding the tie's first layer. Split pieces and a stage's own layers count
+everywhere.
 """
 
 from __future__ import annotations

@@ -173,13 +173,19 @@ def _gpt_pipeline_plan() -> TPPlan:
     )
 
 
+def _is_block(layer, block: type) -> bool:
+    """A pipeline layer (a module or a LayerSpec) that is the demo GPT's block."""
+    return isinstance(layer, block) or getattr(layer, "typename", None) is block
+
+
 def auto_plan(model: nn.Module) -> TPPlan:
     """The plan for a model of a layout zerolap knows, found from its classes and config."""
     from zerolap.demo.gpt import GPT, Block
 
     if isinstance(model, GPT):
         return _gpt_plan()
-    if any(isinstance(m, Block) for m in model.children()):  # a pipeline stage of it
+    layers = getattr(model, "layer_list", None)  # a PipelineModule: decided on the whole list
+    if layers is not None and any(_is_block(layer, Block) for layer in layers):
         return _gpt_pipeline_plan()
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in _PRESETS:
@@ -232,11 +238,18 @@ def as_plan(plan) -> TPPlan:
 
 
 def parallelize(
-    model: nn.Module, group, plan=None, *, overlap: Overlap | str = Overlap.OFF
+    model: nn.Module,
+    group,
+    plan=None,
+    *,
+    overlap: Overlap | str = Overlap.OFF,
+    match_required: bool = True,
 ) -> nn.Module:
     """Split ``model``'s layers over the tensor group ``group`` by ``plan`` (``auto_plan`` when
     None), in place, with the all-reduces ``overlap`` hides; returns ``model``. Every rank of
-    the group must call it on the same dense model (same seed): each keeps its own slices."""
+    the group must call it on the same dense model (same seed): each keeps its own slices.
+    ``match_required=False``: a plan that matches nothing here is no error (a pipeline stage
+    holding only embeddings; the caller checks the whole model)."""
     overlap = Overlap(overlap)
     count = dist.get_world_size(group)
     if count == 1:
@@ -256,7 +269,7 @@ def parallelize(
             )
         if rule is not None and rule.style != "skip":
             chosen.append((name, module, rule))
-    if not chosen:
+    if not chosen and match_required:
         raise ValueError(
             f"tensor parallelism: the {plan.name} plan matched no module of the "
             f"{type(model).__name__}"
