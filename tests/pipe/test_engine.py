@@ -14,7 +14,7 @@ import zerolap
 from tests.multiproc import RankFailure, run_on_ranks
 from tests.pipe import models
 from zerolap.config import ConfigError
-from zerolap.pipe import PipeError, PipelineError
+from zerolap.pipe import PipeError, PipelineError, PipelineModule
 
 STEPS = 10
 
@@ -442,3 +442,18 @@ def test_a_stage_the_tensor_plan_does_not_touch(ranks):
     holds nothing to split and trains whole beside stage 0's split block."""
     answers = ranks(4).run(stage_without_blocks)
     assert sorted(answers) == [(0, True), (0, True), (1, False), (1, False)]
+
+
+def different_layer_lists():
+    blocks = 6 if torch.distributed.get_rank() == 0 else 5
+    module = PipelineModule(models.layers(blocks), num_stages=2, loss_fn=models.loss_fn)
+    try:
+        zerolap.initialize(model=module, config=_config(1, 2))
+    except ConfigError as error:
+        return str(error)
+    return None
+
+
+def test_stages_given_different_layer_lists_are_named(ranks):
+    for message in ranks(2).run(different_layer_lists):
+        assert "the PipelineModule differs at its layer" in message, message

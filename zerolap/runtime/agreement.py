@@ -36,6 +36,8 @@ _RANK_LOCAL_SECTIONS = frozenset(
     }
 )  # fmt: skip
 _RANK_LOCAL_KEYS = frozenset({"nvme_path"})
+# Compared with the config (on every rank alike), though it is the model's: a pipeline's layers.
+_PIPELINE_LAYERS = "pipeline layers"
 
 
 def _shared(value: Any) -> Any:
@@ -52,7 +54,7 @@ def describe(config: ZerolapConfig, model: torch.nn.Module) -> dict[str, dict[st
     sections = config.model_dump(mode="json")
     shared = {k: _shared(v) for k, v in sections.items() if k not in _RANK_LOCAL_SECTIONS}
     if isinstance(model, PipelineModule):
-        shared["pipeline layers"] = {"layers": model.layer_names(), "split": model.parts}
+        shared[_PIPELINE_LAYERS] = {"list": model.layer_names(), "split": model.parts}
     return {
         "config": shared,
         "stage": model.stage_id if isinstance(model, PipelineModule) else 0,
@@ -115,8 +117,11 @@ def _first_difference(everyone: list[dict[str, Any]]) -> str:
     odd = [r for r, d in enumerate(everyone) if d["config"] != first["config"]]
     if odd:
         where, ours, theirs = _where(first["config"], everyone[odd[0]]["config"], "config")
+        what = "the ds_config"
+        if where.startswith(_PIPELINE_LAYERS):  # not a config key: the PipelineModule's list
+            what, where = "the PipelineModule", where.replace(_PIPELINE_LAYERS, "its layer", 1)
         return (
-            f"the ranks were not given the same job: the ds_config differs at {where}: rank 0 "
+            f"the ranks were not given the same job: {what} differs at {where}: rank 0 "
             f"has {ours}, rank {odd[0]} has {theirs} (ranks differing from rank 0: {odd})"
         )
     reference = {d["stage"]: (r, d) for r, d in reversed(list(enumerate(everyone)))}
