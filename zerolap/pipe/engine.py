@@ -34,7 +34,6 @@ from zerolap.pipe.p2p import MAX_CHUNKS, StageLink
 from zerolap.pipe.report import batch_report
 from zerolap.pipe.schedule import Op, Step, forward_only, schedule
 from zerolap.runtime.engine import ZerolapEngine
-from zerolap.runtime.inputs import check_same_inputs
 from zerolap.utils.logging import logger
 
 __all__ = ["PipelineEngine", "PipelineError", "check_pipeline_config"]
@@ -109,6 +108,7 @@ class _Batch:
 
     micro_batches: int
     train: bool
+    compute_loss: bool = True  # eval_batch(compute_loss=False): the last stage's outputs
     # By (chunk, micro-batch):
     inputs: dict[tuple[int, int], tuple] = field(default_factory=dict)  # kept for their grads
     outputs: dict[tuple[int, int], object] = field(default_factory=dict)  # the last one's loss
@@ -300,11 +300,10 @@ class PipelineEngine(ZerolapEngine):
         micro_batches = num_micro_batches or self.micro_batches
         data = self._data(data_iter)
         self.module.eval()
-        batch = _Batch(micro_batches, train=False)
+        batch = _Batch(micro_batches, train=False, compute_loss=compute_loss)
         for link in (self._prev, self._next):
             if link is not None:  # shapes may differ from the last evaluation's (a last, short
                 link.forget(train=False)  # batch): both sides send and expect metadata afresh
-        self._compute_loss = compute_loss
         try:
             with torch.no_grad():
                 steps = forward_only(
@@ -312,7 +311,6 @@ class PipelineEngine(ZerolapEngine):
                 )
                 self._run(steps, batch, data)
         finally:
-            self._compute_loss = True
             self.module.train()
         if reduce_output is None:
             out = batch.losses if self.is_last_stage() else None
@@ -323,8 +321,6 @@ class PipelineEngine(ZerolapEngine):
         return out
 
     # -- the schedule ---------------------------------------------------------------------------
-
-    _compute_loss = True
 
     def _data(self, data_iter: Iterator | None) -> Iterator | None:
         if data_iter is not None:
@@ -412,9 +408,7 @@ class PipelineEngine(ZerolapEngine):
         sample = next(data) if (first or last) else None
         if first:
             inputs = sample[0] if isinstance(sample[0], tuple) else (sample[0],)
-            if not self._inputs_checked:  # the tensor group's ranks read the same batch
-                check_same_inputs(self.mesh, inputs, {})
-                self._inputs_checked = True
+            self._check_inputs_once(inputs, {})
         else:
             inputs = tuple(self._prev.wait(batch.activations.pop(key)))
         start = time.perf_counter()
@@ -423,7 +417,7 @@ class PipelineEngine(ZerolapEngine):
             loss_fn = self.module.loss_fn
             if not batch.train:
                 batch.logits.append(out)
-            if loss_fn is not None and self._compute_loss:
+            if loss_fn is not None and batch.compute_loss:
                 out = loss_fn(out, sample[1])
             batch.losses.append(out.detach())
             if batch.train:

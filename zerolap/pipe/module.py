@@ -177,11 +177,6 @@ class PipelineModule(nn.Module):
             self.seed_fn(self.base_seed + index)
         return spec.build()
 
-    @property
-    def forward_funcs(self) -> list[Callable]:
-        """This stage's layers as callables, in order (every chunk's, one after the other)."""
-        return [f for chunk in range(self.virtual_stages) for f in self.chunk_funcs(chunk)]
-
     def chunk_funcs(self, chunk: int) -> list[Callable]:
         """Chunk ``chunk``'s layers as callables, in order."""
         funcs = []

@@ -147,7 +147,6 @@ class StageLink:
         self.received_meta: dict[tuple[bool, int], tuple[TensorMeta, ...]] = {}
         self._sends: list[tuple[Handle, tuple[torch.Tensor, ...]]] = []
         self.wait_s = 0.0  # time blocked in receives (a measure of exposed p2p)
-        self.sent_bytes = 0
         # This batch's messages, for measuring exposed p2p across ranks (one host's monotonic
         # clock): ("send", direction, micro-batch, issued, issued, bytes, receiving chunk) as
         # each is issued and ("wait", ...) with when it began and ended as each receive is
@@ -192,7 +191,6 @@ class StageLink:
             handle = dist.isend(payload, self.peer_rank, tag=tag)
             self._sends.append((handle, payload))
             nbytes += payload.numel() * payload.element_size()
-        self.sent_bytes += nbytes
         self.trace.append(("send", direction.name, micro_batch, issued, issued, nbytes, channel))
 
     def forget(self, *, train: bool) -> None:
@@ -204,8 +202,9 @@ class StageLink:
 
     def reap(self) -> None:
         """Finish completed sends (their tensors may then be freed)."""
-        done = [(h, t) for h, t in self._sends if h.is_completed()]
-        self._sends = [(h, t) for h, t in self._sends if not h.is_completed()]
+        completed = [handle.is_completed() for handle, _ in self._sends]
+        done = [send for send, c in zip(self._sends, completed, strict=True) if c]
+        self._sends = [send for send, c in zip(self._sends, completed, strict=True) if not c]
         self._finish(done)
 
     def drain(self) -> None:

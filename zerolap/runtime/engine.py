@@ -458,14 +458,18 @@ class ZerolapEngine(torch.nn.Module):
         self.tput_timer.start()
         if self.fetcher is not None:
             self.fetcher.begin_step()
-        if not self._inputs_checked:
-            check_same_inputs(self.mesh, inputs, kwargs)
-            self._inputs_checked = True
+        self._check_inputs_once(inputs, kwargs)
         out = self.module(*inputs, **kwargs)
         if self.optimizer is not None and torch.is_grad_enabled():
             out = _through_entry(self, out)
         self._phase_recorders("forward", start, time.perf_counter())
         return out
+
+    def _check_inputs_once(self, inputs: tuple, kwargs: dict) -> None:
+        """At the first forward, that the tensor group's ranks were fed the same batch."""
+        if not self._inputs_checked:
+            check_same_inputs(self.mesh, inputs, kwargs)
+            self._inputs_checked = True
 
     def _entry_factor(self) -> float:
         """Called by autograd where a backward enters the model's outputs: a plain
