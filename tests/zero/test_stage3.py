@@ -274,6 +274,27 @@ def test_prefetch_follows_the_recorded_order(ranks, case):
         assert deltas[1:] == [later, later], deltas
 
 
+def check_prefetch_at_the_end_of_step(zero: dict) -> list[str]:
+    """Per step, the status of the record's first unit between step() and the next forward."""
+    engine, *_ = zerolap.initialize(model=chain(layers=4), config=config(**zero))
+    seen = []
+    for step in range(3):
+        train_step(engine, step)
+        first = next(engine.fetcher.trace.next_step())
+        seen.append(engine.param_store.status[first].name)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("zero", "status"),
+    [({}, {"GATHERING", "AVAILABLE"}), ({"stage3_prefetch_bucket_size": 0}, {"SHARDED"})],
+)
+def test_next_step_prefetched_when_step_ends(ranks, zero, status):
+    """The next step's first units start gathering in step(), not at the next forward."""
+    for seen in ranks(2).run(check_prefetch_at_the_end_of_step, zero, timeout=TIMEOUT):
+        assert set(seen) <= status, seen
+
+
 def check_live_cap(zero: dict) -> tuple[int, int]:
     """The most elements ever gathered at once, recorded at every launch, over 3 steps."""
     engine, *_ = zerolap.initialize(model=chain(layers=4), config=config(**zero))
@@ -450,10 +471,12 @@ def gathers_per_step_around_a_generation_loop() -> list[int]:
 
 def test_training_after_a_generation_loop_gathers_as_before(ranks):
     """Three units (the branch is not taken): the first step gathers each in forward and in
-    backward, later steps only in forward (kept for backward). The generation's forwards must
-    not stay in the record: once training steps follow again, they gather as before it."""
+    backward, later steps only in forward (kept for backward), each gathered by the step()
+    before (which prefetches the next step's first units: 6 + 3 in the first step). The
+    generation's forwards must not stay in the record: once training steps follow again, they
+    gather as before it."""
     for counts in ranks(2).run(gathers_per_step_around_a_generation_loop, timeout=TIMEOUT):
-        assert counts[:3] == [6, 3, 3], counts
+        assert counts[:3] == [9, 3, 3], counts
         assert counts[-2:] == [3, 3], (
             f"all-gathers per step {counts}: the record kept the generation"
         )
@@ -773,7 +796,9 @@ def check_memory() -> list[dict]:
     engine.backward(engine(local_batch(1, width=128)).pow(2).mean())
     rows.append(row("after backward"))
     engine.step()
-    rows.append(row("after step"))
+    prefetched = engine.param_store.live_numel()  # the next step's first units, in flight
+    engine.empty_partition_cache()
+    rows.append(row("after step") | {"prefetched": prefetched})
     return rows
 
 
@@ -783,7 +808,9 @@ def test_memory_per_rank_matches_the_stage_3_formula(ranks):
         for row in rows:
             psi = row["numel"]
             assert psi == 6 * unit and row["live"] == 0, row
-            # Nothing gathered: parameters, gradients and AdamW's two moments are each 1/N
+            # step() starts gathering the next step's first units, within the live cap.
+            assert row.get("prefetched", 2 * unit) == 2 * unit, row
+            # Nothing else gathered: parameters, gradients and AdamW's two moments are each 1/N
             # (plus AdamW's 0-dim step counters).
             assert row["params_bytes"] == row["grads_bytes"] == psi * 4 / n, row
             assert row["optimizer_state_bytes"] - row["step_counter_bytes"] == psi * 8 / n, row
@@ -805,6 +832,9 @@ def wire_bytes_of_step(zero: dict) -> tuple[int, set, int, int]:
     dist.reset_log()
     try:
         train_step(engine, 2, width=128)
+        # This step's first units were prefetched by the last one; the next one's, which
+        # this step() started, are waited for (release does) and counted instead.
+        engine.empty_partition_cache()
         sent = sum(r.wire_bytes for r in dist.COMMS_LOGGER.records)
         ops = {r.op for r in dist.COMMS_LOGGER.records}
     finally:

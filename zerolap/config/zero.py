@@ -46,6 +46,11 @@ class ZeroConfig(ConfigSection):
     """Gather updated parameter shards with all-gather rather than a series of broadcasts."""
     allgather_bucket_size: int = Field(500_000_000, ge=0)
     """Parameter elements all-gathered per bucket after the optimizer step."""
+    overlap_param_gather: bool = True
+    """Stages 1-2 (zerolap's own key, Megatron's name): leave the all-gather of updated
+    parameters in flight when ``step()`` ends, each bucket waited by the forward pre-hook of
+    the first module that uses it; any other read of a parameter waits for all of them first.
+    False waits at the end of ``step()``, as DeepSpeed does."""
     overlap_comm: bool | None = None
     """Overlap gradient reduction with the backward pass. Unset means DeepSpeed's default: on for
     stage 3, off otherwise; after loading it is always a bool."""

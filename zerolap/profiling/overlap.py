@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from zerolap.comm.logger import CommRecord
 from zerolap.profiling.intervals import Interval, covered, intersection_length
 
-__all__ = ["Exposure", "OverlapStats", "exposure", "overlap_stats"]
+__all__ = ["Exposure", "OverlapStats", "exposure", "overlap_stats", "total_exposure"]
 
 
 @dataclass(frozen=True)
@@ -102,18 +102,32 @@ class Exposure:
         return {**asdict(self), "eta": self.eta}
 
 
+def _exposure(records: list[CommRecord], window: Interval | None = None) -> Exposure:
+    spans = [(r.start, r.end) for r in records]
+    blocked = [span for r in records for span in r.blocked()]
+    if window is not None:
+        lo, hi = window
+        spans, blocked = (
+            [(max(s, lo), min(e, hi)) for s, e in group if e > lo and s < hi]
+            for group in (spans, blocked)
+        )
+    return Exposure(
+        count=len(records),
+        message_bytes=sum(r.message_bytes for r in records),
+        comm_s=covered(spans),
+        exposed_s=intersection_length(blocked, spans),
+    )
+
+
 def exposure(records: Iterable[CommRecord], ops: Iterable[str]) -> dict[str, Exposure]:
     """``Exposure`` of each op name in ``ops`` among ``records`` (completed ones)."""
     records = [r for r in records if r.end is not None]
-    out = {}
-    for op in ops:
-        mine = [r for r in records if r.name == op]
-        spans = [(r.start, r.end) for r in mine]
-        blocked = [span for r in mine for span in r.blocked()]
-        out[op] = Exposure(
-            count=len(mine),
-            message_bytes=sum(r.message_bytes for r in mine),
-            comm_s=covered(spans),
-            exposed_s=intersection_length(blocked, spans),
-        )
-    return out
+    return {op: _exposure([r for r in records if r.name == op]) for op in ops}
+
+
+def total_exposure(records: Iterable[CommRecord], window: Interval | None = None) -> Exposure:
+    """Every completed record as one kind, within ``window`` if given (spans clipped to it):
+    over a whole step, its gradient reductions and parameter gathers together against the time
+    the caller sat in them. Clipping to a step counts a gather that the previous step started
+    and this one's forward waited for where it ran and where it was waited."""
+    return _exposure([r for r in records if r.end is not None], window)

@@ -62,6 +62,7 @@ class StepProfiler:
         self.step = 0
         self._step_start: float | None = None
         self._records_seen = 0
+        self._running: list = []  # records of collectives a closed step left running
         self._waits: list[tuple[float, float]] = []  # this step's waits, reported by the engine
         self._hooks = []
         self._block_starts: dict[str, float] = {}
@@ -124,9 +125,14 @@ class StepProfiler:
             self._waits.append((start, end))
 
     def _close_step(self, end: float) -> None:
-        records = COMMS_LOGGER.records[self._records_seen :]
+        # Collectives still running when a step ends (stages 1-2 leave the parameter gathers
+        # in flight for the next forward) are counted with the step in which they complete.
+        records = self._running + COMMS_LOGGER.records[self._records_seen :]
         for record in records:
             record.resolve()
+        self._running = [r for r in records if not r.closed]
+        records = [r for r in records if r.closed]
+        for record in records:
             tp = record.name in TP_KINDS
             lane = TP_COMM if tp else P2P_COMM if record.op in _P2P_OPS else COMM
             if record.end is not None:

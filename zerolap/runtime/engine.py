@@ -42,6 +42,7 @@ from zerolap.zero.external import ensure_registry
 from zerolap.zero.fetcher import ParamFetcher
 from zerolap.zero.flat_params import FlatParams
 from zerolap.zero.grad_storage import FullGradients, ShardGradients
+from zerolap.zero.in_flight import ForwardWaits
 from zerolap.zero.layout import build_layout, layout_from_groups
 from zerolap.zero.leaf_modules import apply_leaf_config
 from zerolap.zero.optimizer import ZeroOptimizer
@@ -177,6 +178,16 @@ class ZerolapEngine(torch.nn.Module):
         # Who hears about phases (forward, backward, waits, optimizer): wall_clock_breakdown's
         # timers, profilers. Empty costs one loop over nothing per phase.
         self._phase_recorders = _PhaseRecorders()
+        # Stages 1-2: the step's parameter gathers are waited by the modules that use them.
+        self._forward_waits = None
+        if isinstance(self.param_store, FlatParams) and self.param_store.defer:
+            self._forward_waits = ForwardWaits(
+                module,
+                self.params,
+                [slot.bucket for slot in self.layout.slots],
+                self.param_store,
+                record=self._phase_recorders,
+            )
         if trains:
             self._build_reducer()
         self.fetcher = self._build_fetcher() if self.plan.shard_params else None
@@ -214,6 +225,7 @@ class ZerolapEngine(torch.nn.Module):
             self.reducer,
             self.fetcher,
             self.param_store,
+            self._forward_waits,
         )
         self._release_on_drop = weakref.finalize(self, self._attachments.release, gather=False)
         self._release_on_drop.atexit = False  # at exit the model goes too: nothing to give back
@@ -334,6 +346,7 @@ class ZerolapEngine(torch.nn.Module):
                 rank=rank,
                 native=native,
                 sharded=self.plan.shard_optimizer and self.world_size > 1,
+                defer=zero.overlap_param_gather,
             )
 
     def _broadcast_initial_state(self) -> None:
@@ -369,24 +382,30 @@ class ZerolapEngine(torch.nn.Module):
         comm_dtype = self._config.communication_dtype or param_dtype
         device = self.param_store.device
         rank = dist.get_rank(self.group)
-        if self.plan.shard_gradients:
-            self.grads = ShardGradients(
-                self.layout, rank, dtype=torch.float32, comm_dtype=comm_dtype, device=device
-            )
-        else:
-            self.grads = FullGradients(
-                self.layout, dtype=param_dtype, comm_dtype=comm_dtype, device=device
-            )
         pre, post = scale_factors(
             self.world_size,
             predivide=self._config.gradient_predivide_factor,
             prescale=self._config.prescale_gradients,
+            comm_dtype=comm_dtype,
         )
+        if self.plan.shard_gradients:
+            self.grads = ShardGradients(
+                self.layout,
+                rank,
+                dtype=torch.float32,
+                comm_dtype=comm_dtype,
+                device=device,
+                pre=pre,
+            )
+        else:
+            self.grads = FullGradients(
+                self.layout, dtype=param_dtype, comm_dtype=comm_dtype, device=device, pre=pre
+            )
         if self.plan.reduce_scatter:
             native = dist.get_backend(self.group) == "nccl"
-            reduction = ReduceScatterBuckets(self.group, rank, pre=pre, post=post, native=native)
+            reduction = ReduceScatterBuckets(self.group, rank, post=post, native=native)
         else:
-            reduction = AllReduceBuckets(self.group, pre=pre, post=post)
+            reduction = AllReduceBuckets(self.group, post=post)
         self.reducer = GradReducer(
             self.params,
             self.layout,
@@ -622,6 +641,8 @@ class ZerolapEngine(torch.nn.Module):
             updated = time.perf_counter()
             if applied:
                 self.optimizer.publish()
+            if self.fetcher is not None:
+                self.fetcher.prefetch_next_step()
             end = time.perf_counter()
             self._phase_recorders("optimizer", start, updated)
             self._phase_recorders("allgather_wait", updated, end, compute=False)
@@ -697,7 +718,7 @@ class ZerolapEngine(torch.nn.Module):
         self._release_on_drop.detach()
         self._attachments.release(gather=True)
         self.reducer = self.grads = self.optimizer = self.lr_scheduler = None
-        self.fetcher = self.param_store = self._param_access = None
+        self.fetcher = self.param_store = self._param_access = self._forward_waits = None
         self.params = []
         self._phase_recorders.clear()
         self.destroyed = True

@@ -38,6 +38,7 @@ class Attachments:
     reducer: object | None
     fetcher: object | None
     param_store: object | None
+    forward_waits: object | None  # stages 1-2: the hooks that wait for parameter gathers
 
     def release(self, *, gather: bool) -> None:
         """Take every hook and reference off the model and free the engine's buffers.
@@ -49,6 +50,8 @@ class Attachments:
             self.optimizer.close()  # swap files removed
         if self.reducer is not None:
             self.reducer.remove_hooks()
+        if self.forward_waits is not None:
+            self.forward_waits.remove()
         if self.fetcher is not None:
             self.fetcher.remove_hooks()
             self.fetcher.unwatch()
@@ -71,7 +74,7 @@ class Attachments:
         self.module.__dict__.pop("_zerolap_engine", None)
         self.params = []
         self.param_access = self.optimizer = self.reducer = self.fetcher = None
-        self.param_store = None
+        self.param_store = self.forward_waits = None
 
 
 def take_over(module: torch.nn.Module) -> None:

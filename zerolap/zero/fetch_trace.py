@@ -83,6 +83,13 @@ class FetchTrace:
             return iter(())
         return itertools.islice(self.recorded, len(self.current), None)
 
+    def next_step(self) -> Iterator[int]:
+        """The units the next step is expected to fetch, in order: the record, or the order
+        this step took if it left the record (or is the first), which becomes the record when
+        the next step begins."""
+        order = self.recorded if self.recorded is not None and self.on_trace else self.current
+        return iter(list(order))
+
     def reuse_distance(self, unit: int) -> int | None:
         """Elements fetched between now and ``unit``'s next use in this step, per the record;
         None when it is not used again (or the step is off trace)."""

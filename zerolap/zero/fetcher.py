@@ -12,6 +12,10 @@ Per module that needs units (``zero.units``):
   accumulated (and handed to the reducer); a frozen unit, once the gradients of the module's
   inputs are computed; ``finish_backward`` releases whatever is left.
 
+The first units of a step are prefetched when the previous step's ``step()`` ends
+(``prefetch_next_step``), so that their gathers travel before the forward that needs them
+begins; without a step before it, a forward starts its own prefetch.
+
 Prefetch keeps at most ``stage3_prefetch_bucket_size`` elements gathered ahead of use (or one
 unit, if that is larger) and never lets more than ``stage3_max_live_parameters`` elements be
 gathered at once. Every rank issues the same gathers in the same order because they all see
@@ -148,14 +152,27 @@ class ParamFetcher:
 
     def begin_step(self) -> None:
         """Called by ``engine.forward``: closes the previous step's record and starts the
-        prefetch of this one. The first step's fetches are agreed across the ranks."""
+        prefetch of this one (beyond what ``prefetch_next_step`` started). The first step's
+        fetches are agreed across the ranks."""
         self.end_first_step()  # a first step that ran forward only ends here
         self._agreeing, self._first = self._first, False
         self.trace.begin_step()
-        self.store.release_all()  # what a forward-only step left gathered, now stale or unused
-        self._prefetched.clear()
+        # What a forward-only step left gathered is stale or unused; what the last step()
+        # prefetched for this one is neither (unless released since: a checkpoint loaded).
+        self._prefetched = {
+            u: None for u in self._prefetched if self.store.status[u] != ParamStatus.SHARDED
+        }
+        self.store.release_all(keep=self._prefetched)
         self.running.clear()  # a forward that raised left its modules here
         self._prefetch()
+
+    def prefetch_next_step(self) -> None:
+        """Called when ``step()`` has updated the shards: the first units the next step will
+        fetch (per the record) start gathering now, under whatever the program does before its
+        next forward. The record itself moves on at that forward, as ever: forwards run in
+        between outside the engine (a generation loop) still count as this step's tail."""
+        self._prefetched.clear()  # step() released every unit
+        self._prefetch(self.trace.next_step())
 
     def end_first_step(self) -> None:
         """The first step's fetches are over (its autograd ended, or the next step began):
@@ -255,13 +272,15 @@ class ParamFetcher:
                 if self.record is not None:
                     self.record("fetch_wait", start, end, False)
 
-    def _prefetch(self) -> None:
+    def _prefetch(self, upcoming=None) -> None:
+        """Start gathering ``upcoming`` units (default: those the record says come next) within
+        the prefetch budget."""
         if self.prefetch_numel <= 0:
             return
         store = self.store
         ahead = sum(store.numel[u] for u in self._prefetched)
         live = store.live_numel()
-        for unit in self.trace.upcoming():
+        for unit in self.trace.upcoming() if upcoming is None else upcoming:
             if store.status[unit] != ParamStatus.SHARDED:
                 continue
             numel = store.numel[unit]

@@ -1,7 +1,9 @@
 """Stages 0-2: parameters moved into one contiguous buffer, each ``param.data`` a view into it.
 
 Every rank holds every parameter; after a sharded optimizer step each bucket is all-gathered
-from the owners of its chunks (``publish``).
+from the owners of its chunks (``publish``). With ``defer`` the gathers are left in flight, to
+be waited by the first module that uses each bucket (``zero.in_flight``); ``settle()`` waits for
+all of them, and every method here that reads or writes the values calls it first.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from zerolap.zero.gather import all_gather_bucket
+from zerolap.zero.in_flight import InFlightParameter
 from zerolap.zero.layout import FlatLayout, OwnedRun
 
 __all__ = ["FlatParams"]
@@ -26,12 +29,18 @@ class FlatParams:
         rank: int,
         native: bool,
         sharded: bool,
+        defer: bool = False,
     ) -> None:
         first = params[0]
         self.layout = layout
         self.group, self.rank, self.native = group, rank, native
         self.sharded = sharded  # whether the optimizer updates only this rank's chunks
         self.params = params  # in layout slot order
+        # Leave the gathers in flight after publish() (only plain parameters: the in-flight
+        # class replaces theirs for the while, and another subclass's behaviour would be lost).
+        self.defer = sharded and defer and all(type(p) is torch.nn.Parameter for p in params)
+        self._bucket_params = [[params[slot] for slot in b.slots] for b in layout.buckets]
+        self._in_flight: dict[int, object] = {}  # bucket index -> its all-gather's handle
         self.flat = torch.zeros(layout.numel, dtype=first.dtype, device=first.device)
         for slot, param in zip(layout.slots, params, strict=True):
             view = self.flat[slot.offset : slot.offset + slot.numel].view_as(param)
@@ -46,29 +55,58 @@ class FlatParams:
     def device(self) -> torch.device:
         return self.flat.device
 
-    def region(self, start: int, end: int) -> torch.Tensor:
-        return self.flat[start:end]
-
     def owned_view(self, run: OwnedRun, shard_pos: int) -> torch.Tensor:
         """The parameter elements of ``run`` (``shard_pos`` is unused: the buffer is flat)."""
         return self.flat[run.start : run.end]
 
     def publish(self) -> None:
-        """Every bucket all-gathered from its chunks' owners, all in flight at once."""
+        """Every bucket all-gathered from its chunks' owners, all in flight at once and in the
+        order forward needs them (the reverse of bucket order); waited here unless deferred."""
         if not self.sharded:
             return
-        handles = [
-            all_gather_bucket(
-                self.flat[b.start : b.end], b, rank=self.rank, group=self.group, native=self.native
+        self.settle()
+        for b in reversed(self.layout.buckets):
+            region = self.flat[b.start : b.end]
+            self._in_flight[b.index] = all_gather_bucket(
+                region, b, rank=self.rank, group=self.group, native=self.native
             )
-            for b in self.layout.buckets
-        ]
-        for handle in handles:
+        if not self.defer:
+            self.settle()
+            return
+        for param in self.params:
+            param.__class__ = InFlightParameter
+            param._zerolap_in_flight = self
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether some bucket's gather has not been waited yet."""
+        return bool(self._in_flight)
+
+    def wait_buckets(self, indices) -> bool:
+        """Wait for the gathers of buckets ``indices`` still in flight; their parameters are
+        plain parameters again. Whether there was any to wait for."""
+        waited = False
+        for index in indices:
+            handle = self._in_flight.pop(index, None)
+            if handle is None:
+                continue
             handle.wait()
+            waited = True
+            for param in self._bucket_params[index]:
+                if type(param) is InFlightParameter:
+                    param.__class__ = torch.nn.Parameter
+                    del param._zerolap_in_flight
+        return waited
+
+    def settle(self) -> None:
+        """Wait for every gather still in flight, in the order they were launched."""
+        if self._in_flight:
+            self.wait_buckets(list(self._in_flight))
 
     def detach_params(self) -> None:
         """Each parameter takes its own copy of its values and stops viewing the flat buffer
         (``engine.destroy()``), which can then be freed."""
+        self.settle()
         for slot, param in zip(self.layout.slots, self.params, strict=True):
             param.data = self.flat[slot.offset : slot.offset + slot.numel].view_as(param).clone()
         self.flat = self.flat[:0]

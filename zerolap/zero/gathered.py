@@ -5,8 +5,9 @@ that no module hook releases them underneath, and released on exit. With ``modif
 that rank's values are broadcast on exit and every rank keeps its chunk of them (and the fp32
 master follows), so changes made there survive. With ``fwd_module``, the sharded parameters
 are also registered as used by that module's forward (``register_external_parameter``).
-Parameters that are not sharded (stages 0-2) are whole already; with ``modifier_rank`` they are
-broadcast so the copies stay identical.
+Parameters that are not sharded (stages 0-2) are whole already, once the last step's gathers
+have arrived (waited on entry); with ``modifier_rank`` they are broadcast so the copies stay
+identical.
 
 A collective: every rank must enter with the same parameters.
 """
@@ -19,6 +20,7 @@ import torch
 
 import zerolap.comm as dist
 from zerolap.zero.external import register_external_parameter
+from zerolap.zero.in_flight import settle_params
 from zerolap.zero.status import is_sharded
 
 __all__ = ["GatheredParameters"]
@@ -45,6 +47,7 @@ class GatheredParameters:
     def __enter__(self):
         if not self.enabled:
             return self.params
+        settle_params(self.params)  # stages 1-2: the last step's gathers, arrived
         by_owner: dict[int, tuple[object, list]] = {}
         for param in self.params:
             if is_sharded(param):

@@ -12,9 +12,10 @@ Two kinds, chosen once per ZeRO stage:
   gradients is a few bucket buffers, whatever the model's size.
 
 Rules both follow:
-* The first gradient written to a place in a round is copied, later ones are added, so nothing
-  is zeroed up front; places that got no gradient (unused parameters, padding) are zeroed just
-  before the bucket is launched.
+* Every gradient is multiplied by the reduction's pre factor (``reductions.scale_factors``) as
+  it is written. The first gradient written to a place in a round is copied (multiplied into
+  place), later ones are added, so nothing is zeroed up front; places that got no gradient
+  (unused parameters, padding) are zeroed just before the bucket is launched.
 * The first round of a bucket in an accumulation cycle may reduce in place; any later round (a
   second backward before ``step()``, a late gradient) reduces only the new gradients in a fresh
   zeroed buffer and *adds* the result.
@@ -35,12 +36,31 @@ def _slot_range(layout: FlatLayout, slot: int) -> tuple[int, int]:
     return place.offset, place.offset + place.numel
 
 
+def _put(place: torch.Tensor, grad: torch.Tensor, factor: float, *, first: bool) -> None:
+    """``place`` := (first) or += ``grad`` times ``factor``, in one pass."""
+    flat = grad.reshape(-1)
+    if first:
+        if factor == 1.0:
+            place.copy_(flat)
+        else:
+            torch.mul(flat, factor, out=place)
+    else:
+        place.add_(flat, alpha=factor)
+
+
 class FullGradients:
     def __init__(
-        self, layout: FlatLayout, *, dtype: torch.dtype, comm_dtype: torch.dtype, device
+        self,
+        layout: FlatLayout,
+        *,
+        dtype: torch.dtype,
+        comm_dtype: torch.dtype,
+        device,
+        pre: float = 1.0,
     ) -> None:
         self.layout = layout
         self.comm_dtype = comm_dtype
+        self.pre = pre  # every gradient is multiplied by it as it is written
         self.flat = torch.zeros(layout.numel, dtype=dtype, device=device)
         self.unwritten = set(range(len(layout.slots)))  # slots with no gradient this cycle
 
@@ -55,12 +75,10 @@ class FullGradients:
                     bucket.layout.numel, dtype=self.comm_dtype, device=self.flat.device
                 )
             offset = bucket.layout.start
-            bucket.buffer[start - offset : end - offset].add_(grad.reshape(-1))
-        elif slot in self.unwritten:
-            self.flat[start:end].copy_(grad.reshape(-1))
-            self.unwritten.discard(slot)
+            _put(bucket.buffer[start - offset : end - offset], grad, self.pre, first=False)
         else:
-            self.flat[start:end].add_(grad.reshape(-1))
+            _put(self.flat[start:end], grad, self.pre, first=slot in self.unwritten)
+            self.unwritten.discard(slot)
 
     def zero_unwritten(self, slots) -> None:
         for slot in self.unwritten.intersection(slots):
@@ -117,11 +135,13 @@ class ShardGradients:
         dtype: torch.dtype,
         comm_dtype: torch.dtype,
         device,
+        pre: float = 1.0,
         max_buffers: int = 4,
     ) -> None:
         self.layout = layout
         self.rank = rank
         self.comm_dtype = comm_dtype
+        self.pre = pre  # every gradient is multiplied by it as it is written
         self.device = device
         self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         self._shard_offsets = [layout.shard_offset(b.index) for b in layout.buckets]
@@ -149,11 +169,8 @@ class ShardGradients:
         start, end = _slot_range(self.layout, slot)
         place = bucket.buffer[start - bucket.layout.start : end - bucket.layout.start]
         unwritten = self._unwritten[bucket.index]
-        if slot in unwritten:
-            place.copy_(grad.reshape(-1))
-            unwritten.discard(slot)
-        else:
-            place.add_(grad.reshape(-1))
+        _put(place, grad, self.pre, first=slot in unwritten)
+        unwritten.discard(slot)
 
     def buffer_for(self, bucket: Bucket) -> torch.Tensor:
         if bucket.buffer is None:  # no gradient arrived this round: contribute zeros

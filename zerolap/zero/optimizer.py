@@ -24,7 +24,8 @@ Phases of ``step()``:
 4. unscale and clip in one divide, then the inner optimizer steps, tier by tier;
 5. mixed precision: the master runs are copied back into the 16-bit parameters;
 6. sharded: the parameter store brings the updated chunks to every rank that needs them
-   (stages 1-2: every bucket all-gathered; stage 3: only the units kept whole).
+   (stages 1-2: every bucket all-gathered, by default left in flight for the next forward to
+   wait on bucket by bucket, ``zero.in_flight``; stage 3: only the units kept whole).
 """
 
 from __future__ import annotations
@@ -214,6 +215,7 @@ class ZeroOptimizer:
         swapped sub-groups read in for the while: the tensors are valid until the next item.
         With ``write``, what the caller changed in the values and the state (in place, or
         entries of the dict replaced) is kept."""
+        self.store.settle()  # the values of the last step's gathers, all arrived
         for tier in self.tiers:
             yield from tier.visit(write, only)
 
@@ -265,6 +267,7 @@ class ZeroOptimizer:
 
     def update(self) -> bool:
         """Phases 1-5 (compute only): the owned elements take their step."""
+        self.store.settle()  # no chunk may change while the last step's gathers send it
         grads = self._owned_grads()
         scale = self.loss_scaler.loss_scale
         if self.loss_scaler.dynamic and not self._all_finite(grads):

@@ -6,9 +6,10 @@
   ``zerolap.comm`` (gloo's own reduce-scatter moves as many bytes as an all-reduce); on NCCL the
   native reduce-scatter.
 
-Both average: the bucket is multiplied by ``pre_factor`` before the sum and the result by
-``post_factor`` after, which is how ``gradient_predivide_factor`` and ``prescale_gradients`` trade
-overflow risk against rounding.
+Both average: gradients are multiplied by a *pre* factor before the sum and the result by a
+*post* factor after (``scale_factors``). The pre factor is applied by the gradient storage as
+it writes each gradient into its bucket (the copy it makes anyway), so it costs no pass of its
+own; a reduction only applies the post factor, and skips it when it is 1.
 """
 
 from __future__ import annotations
@@ -27,9 +28,17 @@ __all__ = ["AllReduceBuckets", "ReduceScatterBuckets", "scale_factors"]
 Launched = tuple[object, Callable[[], tuple[torch.Tensor, int, int]]]
 
 
-def scale_factors(world_size: int, *, predivide: float, prescale: bool) -> tuple[float, float]:
-    """(pre, post) multipliers whose product is 1 / world_size."""
-    if prescale:
+def scale_factors(
+    world_size: int, *, predivide: float, prescale: bool, comm_dtype: torch.dtype
+) -> tuple[float, float]:
+    """(pre, post) multipliers whose product is 1 / world_size.
+
+    ``prescale_gradients`` divides everything before the sum, ``gradient_predivide_factor`` f
+    divides by f before and by world_size / f after (DeepSpeed's split, which keeps 16-bit sums
+    from overflowing without letting small gradients underflow). Under fp32 communication
+    neither risk exists, so the default (f = 1) divides before the sum, as DDP does: the
+    division rides on the storage's copy, and no pass over the reduced bucket remains."""
+    if prescale or (predivide == 1.0 and comm_dtype == torch.float32):
         return 1.0 / world_size, 1.0
     return 1.0 / predivide, predivide / world_size
 
@@ -40,11 +49,10 @@ def _scale(tensor: torch.Tensor, factor: float) -> None:
 
 
 class AllReduceBuckets:
-    def __init__(self, group, *, pre: float, post: float) -> None:
-        self.group, self.pre, self.post = group, pre, post
+    def __init__(self, group, *, post: float) -> None:
+        self.group, self.post = group, post
 
     def launch(self, bucket: Bucket, buffer: torch.Tensor) -> Launched:
-        _scale(buffer, self.pre)
         handle = dist.all_reduce(buffer, group=self.group, async_op=True)
 
         def result():
@@ -55,12 +63,11 @@ class AllReduceBuckets:
 
 
 class ReduceScatterBuckets:
-    def __init__(self, group, rank: int, *, pre: float, post: float, native: bool) -> None:
-        self.group, self.rank, self.pre, self.post = group, rank, pre, post
+    def __init__(self, group, rank: int, *, post: float, native: bool) -> None:
+        self.group, self.rank, self.post = group, rank, post
         self.native = native  # NCCL's reduce-scatter is bandwidth-optimal; gloo's is not
 
     def launch(self, bucket: Bucket, buffer: torch.Tensor) -> Launched:
-        _scale(buffer, self.pre)
         start, end = bucket.layout.chunk(self.rank)
         offset = start - bucket.layout.start
         if self.native:

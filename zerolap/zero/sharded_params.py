@@ -309,9 +309,11 @@ class ShardedParams:
     def in_use(self, unit: int) -> bool:
         return bool(self.holds[unit] or self.pins[unit])
 
-    def release_all(self) -> None:
+    def release_all(self, keep=()) -> None:
+        """Release every unit but those in ``keep``."""
         for unit in range(len(self.full)):
-            self.release(unit)
+            if unit not in keep:
+                self.release(unit)
 
     def release_orphaned(self) -> None:
         """The engine was dropped without ``destroy()`` (``runtime.release``): no module's
@@ -358,6 +360,9 @@ class ShardedParams:
         """The shard elements of ``run``, which starts at ``shard_pos`` of this rank's shard
         (a swapped chunk is marked changed: the optimizer writes what it asks for)."""
         return self.shard_slice(shard_pos, run.end - run.start, write=True)
+
+    def settle(self) -> None:
+        """Nothing to wait for: ``publish`` leaves no gather in flight."""
 
     def publish(self, *, frozen_too: bool = False) -> None:
         """After a step: gathered copies are stale. Sharded units are released (the next use

@@ -1,0 +1,166 @@
+"""Stages 1-2 leave the parameter all-gather in flight after step() (``zero.in_flight``): the
+results are bitwise those of waiting at the end of the step, and whatever reads parameters
+between step() and the next forward sees the updated values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerolap
+import zerolap.comm as dist
+from tests.zero.models import global_batch, loss_fn, make_model
+from zerolap.zero.in_flight import InFlightParameter
+
+MICRO = 2
+
+
+def _engine(stage: int, defer: bool, *, bucket: int = 200):
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.01}},
+        "zero_optimization": {
+            "stage": stage,
+            "overlap_comm": True,
+            "reduce_bucket_size": bucket,
+            "overlap_param_gather": defer,
+        },
+    }
+    engine, *_ = zerolap.initialize(model=make_model(), config=config)
+    return engine
+
+
+def _step(engine, step: int) -> float:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, targets = global_batch(step, MICRO * world)
+    lo = rank * MICRO
+    loss = loss_fn(
+        engine(tokens[lo : lo + MICRO], use_sometimes=step % 2 == 0), targets[lo : lo + MICRO]
+    )
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def _values(engine) -> list[torch.Tensor]:
+    engine.param_store.settle()
+    return [p.detach().clone() for p in engine.module.parameters()]
+
+
+def check_bitwise(stage: int) -> list[str]:
+    """Losses and parameters of every step equal, bit for bit, with and without deferring."""
+    deferred, waited = _engine(stage, True), _engine(stage, False)
+    assert deferred.param_store.defer and not waited.param_store.defer
+    failures = []
+    for step in range(4):
+        a, b = _step(deferred, step), _step(waited, step)
+        if a != b:
+            failures.append(f"step {step}: loss {a!r} != {b!r}")
+        assert deferred.param_store.in_flight, "the gathers were waited in step()"
+    for x, y in zip(_values(deferred), _values(waited), strict=True):
+        if not torch.equal(x, y):
+            failures.append(f"parameters differ by {(x - y).abs().max().item():.3e}")
+    return failures
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bitwise_equal_to_waiting_in_step(ranks, stage):
+    assert ranks(2).run(check_bitwise, stage, timeout=120) == [[], []]
+
+
+def _read(read: str, engine, path: str, step: int) -> list[torch.Tensor]:
+    """The parameters as ``read`` sees them."""
+    params = list(engine.module.parameters())
+    if read == "data":  # an EMA update or a reference model's sync reads .data
+        return [p.data.clone() for p in params]
+    if read == "ops":
+        return [p * 1.0 for p in params]
+    if read == "state_dict":
+        return [t.clone() for t in engine.module.state_dict().values()]
+    if read == "gathered":
+        with zerolap.zero.GatheredParameters(params):
+            return [torch.Tensor.clone(p) for p in params]
+    if read == "eval":
+        engine.eval()
+        with torch.no_grad():
+            out = engine(global_batch(99, MICRO)[0])
+        engine.train()
+        return [out]
+    assert read == "checkpoint"
+    engine.save_checkpoint(path, tag=f"step{step}")
+    state = torch.load(f"{path}/step{step}/mp_rank_00_model_states.pt", weights_only=False)
+    return [t.clone() for t in state["module"].values()]
+
+
+def check_reads_after_step(read: str, path: str) -> list[str]:
+    """Right after step(), ``read`` sees what an engine that waited in step() holds."""
+    deferred, waited = _engine(1, True), _engine(1, False)
+    failures = []
+    for step in range(2):
+        _step(deferred, step)
+        _step(waited, step)
+        # Metadata and gradients are read without waiting (nn.Module.zero_grad does).
+        deferred.module.zero_grad()
+        _ = [(p.shape, p.dtype, p.requires_grad, p.grad) for p in deferred.module.parameters()]
+        if not deferred.param_store.in_flight:
+            failures.append("reading metadata waited for the gathers")
+        got = _read(read, deferred, f"{path}/deferred", step)
+        want = _read(read, waited, f"{path}/waited", step)
+        if any(type(p) is InFlightParameter for p in deferred.module.parameters()):
+            failures.append(f"{read}: parameters still marked in flight after the read")
+        for x, y in zip(got, want, strict=True):
+            if not torch.equal(x, y):
+                failures.append(f"{read} after step {step}: off by {(x - y).abs().max():.3e}")
+    return failures
+
+
+@pytest.mark.parametrize("read", ["data", "ops", "state_dict", "gathered", "eval", "checkpoint"])
+def test_reads_between_step_and_forward_see_the_update(ranks, tmp_path, read):
+    assert ranks(2).run(check_reads_after_step, read, str(tmp_path), timeout=120) == [[], []]
+
+
+def check_each_bucket_waited_by_its_first_user() -> list[str]:
+    """A forward through the embedding alone waits for the embedding's bucket, not the rest."""
+    engine = _engine(1, True, bucket=100)
+    _step(engine, 0)
+    store = engine.param_store
+    embed = engine.module.embed.weight
+    others = [p for n, p in engine.module.named_parameters() if not n.startswith(("embed", "out"))]
+    failures = []
+    engine.module.embed(torch.zeros(1, dtype=torch.long))
+    if type(embed) is InFlightParameter:
+        failures.append("the embedding's forward did not wait for its bucket")
+    if not all(type(p) is InFlightParameter for p in others):
+        failures.append("the embedding's forward waited for other buckets too")
+    if not store.in_flight:
+        failures.append("nothing left in flight")
+    store.settle()
+    return failures
+
+
+def test_each_bucket_waited_by_its_first_user(ranks):
+    assert ranks(2).run(check_each_bucket_waited_by_its_first_user, timeout=60) == [[], []]
+
+
+def check_deepcopy_in_flight() -> list[str]:
+    """A copy of the model taken right after step() (a "best model" snapshot) holds the
+    updated values and plain parameters."""
+    import copy
+
+    deferred, waited = _engine(2, True), _engine(2, False)
+    _step(deferred, 0)
+    _step(waited, 0)
+    snapshot = copy.deepcopy(deferred.module)
+    failures = []
+    for got, want in zip(snapshot.parameters(), waited.module.parameters(), strict=True):
+        got_values = got * 1.0  # any op: a stray in-flight class would fail here
+        if type(got) is not torch.nn.Parameter:
+            failures.append(f"the copy's parameter is a {type(got).__name__}")
+        if not torch.equal(got_values, want.detach()):
+            failures.append("the copy holds stale values")
+    return failures
+
+
+def test_deepcopy_right_after_step(ranks):
+    assert ranks(2).run(check_deepcopy_in_flight, timeout=60) == [[], []]
