@@ -358,19 +358,13 @@ def _zerolap_trainer(system: System, model, spec: RunSpec) -> _Trainer:
         stats = overlap_stats([(backward[0], timing.compute_end)], comm, step=backward)
         return stats.eta, stats.exposed_comm_s, stats.comm_s
 
-    def settle() -> None:
-        """Stages 1-2's parameter gathers (a read of the values waits for them) and stage 3's
-        prefetch of the next step (released, which waits for it)."""
-        _ = [p.detach() for p in model.parameters()]
-        engine.empty_partition_cache()
-
     return _Trainer(
         step,
         lambda: engine.memory_breakdown().total_bytes,
         logged=True,
         overlap=overlap,
         fetch_stats=engine.fetch_stats,
-        settle=settle,
+        settle=engine.wait_in_flight,
     )
 
 

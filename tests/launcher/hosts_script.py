@@ -64,11 +64,7 @@ def main() -> None:
         tokens, targets = global_batch(step, MICRO * world)
         engine.backward(loss_fn(engine(tokens[mine]), targets[mine]))
         engine.step()
-    # What the last step left in flight arrives before anything is counted: stages 1-2's
-    # parameter gathers (a read of the values waits for them) and stage 3's prefetch of the
-    # next step's first units (released, which waits for them).
-    _ = [p.detach() for p in engine.module.parameters()]
-    engine.empty_partition_cache()
+    engine.wait_in_flight()  # the last step's parameter gathers count with it
     ring = [r for r in dist.COMMS_LOGGER.records if r.op.startswith("ring_")]
     mine_sent = {
         "interface_sent": _sent_bytes(interface) - before,

@@ -203,6 +203,51 @@ def test_bf16_mixed_precision(ranks, stage):
         assert bf16 == pytest.approx(fp32, abs=0.05)
 
 
+def check_bf16_gradients_averaged_in_fp32(stage: int, prescale: bool) -> tuple[float, float]:
+    """With fp32 communication each rank's bf16 gradients are summed and divided in fp32: stage
+    2 keeps that fp32 average, stage 1 rounds it to bf16 once (its buffer is the parameters'
+    dtype). Returns the worst relative error and the share of elements off by more than 1e-6."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 200},
+        "bf16": {"enabled": True},
+        "communication_data_type": "fp32",
+        "prescale_gradients": prescale,
+    }
+    engine, *_ = zerolap.initialize(model=make_model(), config=config)
+    reference = make_model().to(torch.bfloat16)
+    tokens, targets = global_batch(0, 2 * world)
+    mine = slice(2 * rank, 2 * rank + 2)
+    engine.backward(loss_fn(engine(tokens[mine]).float(), targets[mine]))
+    loss_fn(reference(tokens[mine]).float(), targets[mine]).backward()
+    worst, off, total = 0.0, 0, 0
+    for param, local in zip(engine.module.parameters(), reference.parameters(), strict=True):
+        expected = local.grad.float()
+        dist.all_reduce(expected)
+        expected /= world
+        if stage == 1:
+            expected = expected.bfloat16().float()
+        error = (zerolap.utils.safe_get_full_grad(param) - expected).abs() / (expected.abs() + 1e-6)
+        worst = max(worst, error.max().item())
+        off += int((error > 1e-6).sum())
+        total += error.numel()
+    engine.destroy()
+    return worst, off / total
+
+
+@pytest.mark.parametrize("stage,prescale", [(1, False), (2, False), (2, True)])
+def test_bf16_gradients_are_averaged_in_fp32(ranks, stage, prescale):
+    # World 3: 1/3 is inexact in bf16, so a gradient divided before the fp32 sum and rounded
+    # to bf16 would show (in about half the elements).
+    for worst, off in ranks(3).run(check_bf16_gradients_averaged_in_fp32, stage, prescale):
+        if stage == 2:
+            assert worst < 1e-5
+        else:  # the fp32 sum's order may differ from all_reduce's: a rare bf16 rounding tie
+            assert off < 1e-3
+
+
 def check_communication_dtype_halves_bytes() -> tuple[list[int], list[int], float]:
     config = _config(2, reduce_scatter=True)
     config["communication_data_type"] = "fp16"

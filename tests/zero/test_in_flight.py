@@ -44,7 +44,7 @@ def _step(engine, step: int) -> float:
 
 
 def _values(engine) -> list[torch.Tensor]:
-    engine.param_store.settle()
+    engine.wait_in_flight()
     return [p.detach().clone() for p in engine.module.parameters()]
 
 
@@ -67,6 +67,27 @@ def check_bitwise(stage: int) -> list[str]:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_bitwise_equal_to_waiting_in_step(ranks, stage):
     assert ranks(2).run(check_bitwise, stage, timeout=120) == [[], []]
+
+
+def check_compiled() -> list[str]:
+    """Under ``engine.compile`` the hooks run inside the compiled forward (dynamo breaks the
+    graph at their waits): results stay bitwise those of waiting in step()."""
+    deferred, waited = _engine(1, True), _engine(1, False)
+    for engine in (deferred, waited):
+        engine.compile(backend="eager")
+    failures = []
+    for step in range(3):
+        a, b = _step(deferred, step), _step(waited, step)
+        if a != b:
+            failures.append(f"step {step}: loss {a!r} != {b!r}")
+    for x, y in zip(_values(deferred), _values(waited), strict=True):
+        if not torch.equal(x, y):
+            failures.append(f"parameters differ by {(x - y).abs().max().item():.3e}")
+    return failures
+
+
+def test_compiled_forward_waits_too(ranks):
+    assert ranks(2).run(check_compiled, timeout=120) == [[], []]
 
 
 def _read(read: str, engine, path: str, step: int) -> list[torch.Tensor]:
@@ -145,7 +166,8 @@ def test_each_bucket_waited_by_its_first_user(ranks):
 
 def check_deepcopy_in_flight() -> list[str]:
     """A copy of the model taken right after step() (a "best model" snapshot) holds the
-    updated values and plain parameters."""
+    updated values in plain parameters, is its own model (its forward waits for nothing of the
+    original's), and a new engine defers its own gathers."""
     import copy
 
     deferred, waited = _engine(2, True), _engine(2, False)
@@ -154,13 +176,76 @@ def check_deepcopy_in_flight() -> list[str]:
     snapshot = copy.deepcopy(deferred.module)
     failures = []
     for got, want in zip(snapshot.parameters(), waited.module.parameters(), strict=True):
-        got_values = got * 1.0  # any op: a stray in-flight class would fail here
         if type(got) is not torch.nn.Parameter:
             failures.append(f"the copy's parameter is a {type(got).__name__}")
-        if not torch.equal(got_values, want.detach()):
+        if not torch.equal(got.detach(), want.detach()):
             failures.append("the copy holds stale values")
+    _step(deferred, 1)
+    snapshot(global_batch(0, MICRO)[0])
+    if not all(type(p) is InFlightParameter for p in deferred.module.parameters()):
+        failures.append("the copy's forward waited for the original's gathers")
+    copied, *_ = zerolap.initialize(model=snapshot, config=deferred.config)
+    if not copied.param_store.defer:
+        failures.append("an engine on the copy does not defer its gathers")
+    deferred.wait_in_flight()
     return failures
 
 
 def test_deepcopy_right_after_step(ranks):
     assert ranks(2).run(check_deepcopy_in_flight, timeout=60) == [[], []]
+
+
+class _Broken:
+    def wait(self) -> None:
+        raise dist.CommError("injected: the gather failed")
+
+
+def check_failed_gathers_keep_parameters_guarded() -> list[str]:
+    """A gather whose wait raised, or that a failing step() never launched, leaves its
+    parameters guarded: every later read raises again instead of using stale chunks."""
+    from zerolap.zero import flat_params
+
+    engine = _engine(1, True, bucket=100)
+    store = engine.param_store
+    failures = []
+
+    def reads_raise(what: str) -> None:
+        for attempt in range(2):
+            try:
+                _ = [p * 1.0 for p in engine.module.parameters()]
+                failures.append(f"{what}: read {attempt} used the parameters")
+            except dist.CommError:
+                pass
+
+    _step(engine, 0)
+    index = next(iter(store._in_flight))
+    real = store._in_flight[index]
+    store._in_flight[index] = _Broken()
+    reads_raise("a failed wait")
+    store._in_flight[index] = real  # the gather did arrive: the next wait succeeds
+    engine.wait_in_flight()
+    if any(type(p) is InFlightParameter for p in engine.module.parameters()):
+        failures.append("parameters still marked in flight after every gather arrived")
+
+    launch, launched = flat_params.all_gather_bucket, []
+
+    def fails_second(*args, **kwargs):
+        if launched:
+            raise dist.CommError("injected: the launch failed")
+        launched.append(True)
+        return launch(*args, **kwargs)
+
+    flat_params.all_gather_bucket = fails_second
+    try:
+        _step(engine, 1)
+        failures.append("step() did not raise")
+    except dist.CommError:
+        pass
+    finally:
+        flat_params.all_gather_bucket = launch
+    reads_raise("a launch that failed")
+    return failures
+
+
+def test_failed_gathers_keep_parameters_guarded(ranks):
+    assert ranks(2).run(check_failed_gathers_keep_parameters_guarded, timeout=60) == [[], []]

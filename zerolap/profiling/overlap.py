@@ -103,10 +103,12 @@ class Exposure:
 
 
 def _exposure(records: list[CommRecord], window: Interval | None = None) -> Exposure:
+    if window is not None:
+        lo, hi = window
+        records = [r for r in records if r.end > lo and r.start < hi]
     spans = [(r.start, r.end) for r in records]
     blocked = [span for r in records for span in r.blocked()]
     if window is not None:
-        lo, hi = window
         spans, blocked = (
             [(max(s, lo), min(e, hi)) for s, e in group if e > lo and s < hi]
             for group in (spans, blocked)
@@ -126,8 +128,10 @@ def exposure(records: Iterable[CommRecord], ops: Iterable[str]) -> dict[str, Exp
 
 
 def total_exposure(records: Iterable[CommRecord], window: Interval | None = None) -> Exposure:
-    """Every completed record as one kind, within ``window`` if given (spans clipped to it):
-    over a whole step, its gradient reductions and parameter gathers together against the time
-    the caller sat in them. Clipping to a step counts a gather that the previous step started
-    and this one's forward waited for where it ran and where it was waited."""
+    """Every completed record as one kind, within ``window`` if given (records that overlap it,
+    their spans clipped to it): over a whole step, its gradient reductions and parameter gathers
+    together against the time the caller sat in them. Clipping to a step counts a gather that
+    the previous step started and this one's forward waited for where it ran and where it was
+    waited. A record not completed yet (in flight, or a CUDA record its events have not
+    resolved: ``CommRecord.resolve``) is left out; count it once it has completed."""
     return _exposure([r for r in records if r.end is not None], window)

@@ -386,6 +386,7 @@ class ZerolapEngine(torch.nn.Module):
             self.world_size,
             predivide=self._config.gradient_predivide_factor,
             prescale=self._config.prescale_gradients,
+            grad_dtype=param_dtype,
             comm_dtype=comm_dtype,
         )
         if self.plan.shard_gradients:
@@ -610,8 +611,12 @@ class ZerolapEngine(torch.nn.Module):
 
     def _expose_grads(self) -> None:
         """Full gradients all-reduced (stage 0, or stage 1 without reduce_scatter) are shown as
-        ``param.grad`` views, as DDP does. After a reduce-scatter only the own chunks hold the
-        average, so ``param.grad`` stays None, as in DeepSpeed."""
+        ``param.grad`` views, as DDP does: the average at the accumulation boundary. Between
+        micro-batches they show this rank's sum so far, already multiplied by 1 / world size
+        when the division rides on the copy into the buffer (fp32 gradients and
+        communication: ``reductions.scale_factors``), where DDP's ``no_sync`` shows the bare sum.
+        After a reduce-scatter only the own chunks hold the average, so ``param.grad`` stays
+        None, as in DeepSpeed."""
         if self.plan.reduce_scatter:
             return
         for slot, param in enumerate(self.params):
@@ -725,8 +730,9 @@ class ZerolapEngine(torch.nn.Module):
 
     def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None) -> None:
         """``torch.compile`` the wrapped module's forward in place (DeepSpeed's signature;
-        Accelerate calls it when a dynamo backend is set). The engine's hooks stay outside the
-        compiled code."""
+        Accelerate calls it when a dynamo backend is set). The engine's module hooks run
+        inside the compiled forward; dynamo breaks the graph where they wait for
+        communication, so results are those of the eager forward."""
         self.module.compile(backend=backend, **(compile_kwargs or {}))
 
     # -- DeepSpeed's accessors ----------------------------------------------------------------
@@ -900,6 +906,16 @@ class ZerolapEngine(torch.nn.Module):
         if self.world_size > 1:
             dist.barrier(group=self.group)
         return True
+
+    def wait_in_flight(self) -> None:
+        """Wait for the parameter all-gathers the engine leaves running past ``step()``:
+        stages 1-2's (every bucket's, otherwise waited by the next forward) and stage 3's
+        prefetch of the next step's first units (kept gathered for it). Afterwards none of the
+        engine's communication is running: for a program that counts bytes or times a phase
+        on its own. Reading a parameter's values waits by itself; this is never needed for
+        correctness."""
+        if self.param_store is not None:
+            self.param_store.settle()
 
     def empty_partition_cache(self) -> None:
         """Release every gathered stage-3 parameter (no-op for stages 0-2)."""

@@ -68,7 +68,10 @@ class Attachments:
                 with contextlib.suppress(CommError):
                     self.param_store.release_orphaned()
         elif self.param_store is not None:
-            self.param_store.detach_params()
+            # As above: a finalizer does not report a failed gather; its parameters stay
+            # guarded (in flight), so reading them raises the error instead.
+            with contextlib.suppress(CommError) if not gather else contextlib.nullcontext():
+                self.param_store.detach_params()
         for param in self.module.parameters():
             param.grad = None
         self.module.__dict__.pop("_zerolap_engine", None)

@@ -2,8 +2,10 @@
 
 The engine reports phases to every attached recorder (this one, a ``StepProfiler``, ...):
 ``forward``, ``backward`` (autograd), ``backward_wait`` (the end-of-backward wait for gradient
-reductions), ``optimizer``, ``allgather_wait`` (updated parameters arriving) and ``step_end``;
-stage 3 adds ``fetch_wait`` (parameters awaited inside forward and backward, so part of them).
+reductions), ``optimizer``, ``allgather_wait`` (updated parameters arriving within ``step()``)
+and ``step_end``; waits inside forward and backward are part of those phases and not counted
+again: ``param_wait`` (stages 1-2, a bucket's deferred all-gather awaited by the first module
+using it) and ``fetch_wait`` (stage 3, parameters awaited).
 """
 
 from __future__ import annotations

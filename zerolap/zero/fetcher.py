@@ -84,6 +84,7 @@ class ParamFetcher:
         self.trace = FetchTrace(store.numel)
         self.stats = FetchStats()
         self._prefetched: dict[int, None] = {}  # launched ahead, not yet used (ordered)
+        self._carried = False  # whether _prefetched holds step()'s prefetch for the next step
         # Gradients expected per unit in a backward (frozen units expect none).
         self._slots = [
             sum(store.params[slot].requires_grad for slot in b.slots) for b in store.layout.buckets
@@ -158,10 +159,12 @@ class ParamFetcher:
         self._agreeing, self._first = self._first, False
         self.trace.begin_step()
         # What a forward-only step left gathered is stale or unused; what the last step()
-        # prefetched for this one is neither (unless released since: a checkpoint loaded).
-        self._prefetched = {
-            u: None for u in self._prefetched if self.store.status[u] != ParamStatus.SHARDED
-        }
+        # prefetched for the step now beginning is neither (unless released since: a
+        # checkpoint loaded), but only this first step after it may keep that.
+        if not self._carried:
+            self._prefetched.clear()
+        self._carried = False
+        self._forget_released()
         self.store.release_all(keep=self._prefetched)
         self.running.clear()  # a forward that raised left its modules here
         self._prefetch()
@@ -171,8 +174,14 @@ class ParamFetcher:
         fetch (per the record) start gathering now, under whatever the program does before its
         next forward. The record itself moves on at that forward, as ever: forwards run in
         between outside the engine (a generation loop) still count as this step's tail."""
-        self._prefetched.clear()  # step() released every unit
+        self._forget_released()  # publish() released every unit (unless the step was skipped)
         self._prefetch(self.trace.next_step())
+        self._carried = True
+
+    def _forget_released(self) -> None:
+        self._prefetched = {
+            u: None for u in self._prefetched if self.store.status[u] != ParamStatus.SHARDED
+        }
 
     def end_first_step(self) -> None:
         """The first step's fetches are over (its autograd ended, or the next step began):

@@ -10,11 +10,25 @@ from __future__ import annotations
 
 import torch
 
+from zerolap.comm import CommError
 from zerolap.zero.gather import all_gather_bucket
 from zerolap.zero.in_flight import InFlightParameter
 from zerolap.zero.layout import FlatLayout, OwnedRun
 
 __all__ = ["FlatParams"]
+
+
+class _NeverLaunched:
+    """Stands for the handle of a bucket whose all-gather a failed ``publish`` never started."""
+
+    def __init__(self, index: int, error: BaseException) -> None:
+        self.index, self.error = index, error
+
+    def wait(self) -> None:
+        raise CommError(
+            f"bucket {self.index}'s parameters were never all-gathered after the last step: "
+            f"{self.error!r}"
+        ) from self.error
 
 
 class FlatParams:
@@ -65,17 +79,25 @@ class FlatParams:
         if not self.sharded:
             return
         self.settle()
-        for b in reversed(self.layout.buckets):
-            region = self.flat[b.start : b.end]
-            self._in_flight[b.index] = all_gather_bucket(
-                region, b, rank=self.rank, group=self.group, native=self.native
-            )
+        if self.defer:
+            # Marked before the first launch, so no read in between can see a stale chunk.
+            for param in self.params:
+                param.__class__ = InFlightParameter
+                param._zerolap_in_flight = self
+        try:
+            for b in reversed(self.layout.buckets):
+                region = self.flat[b.start : b.end]
+                self._in_flight[b.index] = all_gather_bucket(
+                    region, b, rank=self.rank, group=self.group, native=self.native
+                )
+        except BaseException as error:
+            # The buckets never launched hold stale chunks: waiting for them raises this error,
+            # so every later read through the engine fails instead of using them.
+            for b in self.layout.buckets:
+                self._in_flight.setdefault(b.index, _NeverLaunched(b.index, error))
+            raise
         if not self.defer:
             self.settle()
-            return
-        for param in self.params:
-            param.__class__ = InFlightParameter
-            param._zerolap_in_flight = self
 
     @property
     def in_flight(self) -> bool:
@@ -84,13 +106,15 @@ class FlatParams:
 
     def wait_buckets(self, indices) -> bool:
         """Wait for the gathers of buckets ``indices`` still in flight; their parameters are
-        plain parameters again. Whether there was any to wait for."""
+        plain parameters again. Whether there was any to wait for. A wait that raises leaves
+        its bucket in flight (its parameters still guarded), so the next read raises too."""
         waited = False
         for index in indices:
-            handle = self._in_flight.pop(index, None)
+            handle = self._in_flight.get(index)
             if handle is None:
                 continue
             handle.wait()
+            del self._in_flight[index]
             waited = True
             for param in self._bucket_params[index]:
                 if type(param) is InFlightParameter:
@@ -109,7 +133,7 @@ class FlatParams:
         self.settle()
         for slot, param in zip(self.layout.slots, self.params, strict=True):
             param.data = self.flat[slot.offset : slot.offset + slot.numel].view_as(param).clone()
-        self.flat = self.flat[:0]
+        self.flat = self.flat.new_empty(0)  # a [:0] view would keep the storage alive
 
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()

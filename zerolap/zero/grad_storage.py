@@ -37,13 +37,16 @@ def _slot_range(layout: FlatLayout, slot: int) -> tuple[int, int]:
 
 
 def _put(place: torch.Tensor, grad: torch.Tensor, factor: float, *, first: bool) -> None:
-    """``place`` := (first) or += ``grad`` times ``factor``, in one pass."""
+    """``place`` := (first) or += ``grad`` times ``factor``, computed in ``place``'s dtype
+    (one pass when the dtypes agree)."""
     flat = grad.reshape(-1)
     if first:
         if factor == 1.0:
             place.copy_(flat)
-        else:
+        elif place.dtype == flat.dtype:
             torch.mul(flat, factor, out=place)
+        else:  # torch.mul would multiply in the gradient's (narrower) dtype, then cast
+            place.copy_(flat).mul_(factor)
     else:
         place.add_(flat, alpha=factor)
 

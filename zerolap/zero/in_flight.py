@@ -21,7 +21,9 @@ the store's ``settle()`` first, which waits for whatever is still in flight.
 
 from __future__ import annotations
 
+import copy
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -57,6 +59,12 @@ class InFlightParameter(torch.nn.Parameter):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
+    def __deepcopy__(self, memo):
+        """A copy (a "best model" snapshot) is taken of the arrived values, and is a plain
+        parameter: nothing it belongs to is in flight."""
+        settle_params((self,))  # this parameter is a plain one from here on
+        return copy.deepcopy(self, memo)
+
 
 def settle_params(values) -> None:
     """Wait for the gathers of every in-flight parameter among ``values`` (a flat sequence;
@@ -65,11 +73,7 @@ def settle_params(values) -> None:
         if isinstance(value, (list, tuple)):
             settle_params([v for v in value if not isinstance(v, (list, tuple))])
         elif type(value) is InFlightParameter:
-            store = getattr(value, "_zerolap_in_flight", None)
-            if store is not None:
-                store.settle()
-            else:  # a copy made while in flight (deepcopy keeps the class): its values are whole
-                value.__class__ = torch.nn.Parameter
+            value._zerolap_in_flight.settle()
 
 
 class ForwardWaits:
@@ -96,15 +100,20 @@ class ForwardWaits:
                 {where[id(p)] for p in submodule.parameters(recurse=False) if id(p) in where}
             )
             if buckets:
-                self._hooks.append(submodule.register_forward_pre_hook(self._make_hook(buckets)))
+                hook = self._make_hook(submodule, buckets)
+                self._hooks.append(submodule.register_forward_pre_hook(hook))
 
-    def _make_hook(self, buckets: list[int]):
+    def _make_hook(self, owner: torch.nn.Module, buckets: list[int]):
+        owner = weakref.ref(owner)
+
         def hook(module, inputs) -> None:
-            if not self.store.in_flight:
+            # A deepcopy of the model carries this hook along; the copy's parameters are its
+            # own, never in flight.
+            if module is not owner() or not self.store.in_flight:
                 return
             start = time.perf_counter()
             if self.store.wait_buckets(buckets):
-                self.record("allgather_wait", start, time.perf_counter(), compute=False)
+                self.record("param_wait", start, time.perf_counter(), compute=False)
 
         return hook
 

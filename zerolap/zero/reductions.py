@@ -29,16 +29,25 @@ Launched = tuple[object, Callable[[], tuple[torch.Tensor, int, int]]]
 
 
 def scale_factors(
-    world_size: int, *, predivide: float, prescale: bool, comm_dtype: torch.dtype
+    world_size: int,
+    *,
+    predivide: float,
+    prescale: bool,
+    grad_dtype: torch.dtype,
+    comm_dtype: torch.dtype,
 ) -> tuple[float, float]:
     """(pre, post) multipliers whose product is 1 / world_size.
 
     ``prescale_gradients`` divides everything before the sum, ``gradient_predivide_factor`` f
     divides by f before and by world_size / f after (DeepSpeed's split, which keeps 16-bit sums
-    from overflowing without letting small gradients underflow). Under fp32 communication
-    neither risk exists, so the default (f = 1) divides before the sum, as DDP does: the
-    division rides on the storage's copy, and no pass over the reduced bucket remains."""
-    if prescale or (predivide == 1.0 and comm_dtype == torch.float32):
+    from overflowing without letting small gradients underflow). When gradients and their
+    communication are both fp32, neither risk exists and the default (f = 1) divides before the
+    sum, as DDP does: the division rides on the storage's copy, and no pass over the reduced
+    bucket remains. 16-bit gradients keep it after the sum: each one divided as it is stored
+    would be rounded (or, in fp16, underflow) before it is added."""
+    if prescale:
+        return 1.0 / world_size, 1.0
+    if predivide == 1.0 and grad_dtype == comm_dtype == torch.float32:
         return 1.0 / world_size, 1.0
     return 1.0 / predivide, predivide / world_size
 

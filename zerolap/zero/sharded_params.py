@@ -362,7 +362,12 @@ class ShardedParams:
         return self.shard_slice(shard_pos, run.end - run.start, write=True)
 
     def settle(self) -> None:
-        """Nothing to wait for: ``publish`` leaves no gather in flight."""
+        """Wait for every gather in flight (what a prefetch started; ``publish`` leaves none):
+        before the optimizer changes shards they may still be sending. The units stay
+        gathered for the use they were started for."""
+        for unit, status in enumerate(self.status):
+            if status == ParamStatus.GATHERING:
+                self.wait(unit)
 
     def publish(self, *, frozen_too: bool = False) -> None:
         """After a step: gathered copies are stale. Sharded units are released (the next use
