@@ -61,6 +61,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
         (4, 2, 4, 2, 1),
         (2, 2, 4, 1, 2),
         (4, 4, 8, 2, 2),
+        (4, 2, 4, 2, 2),
     ],
     ids=[
         "p2-m4-z1",
@@ -71,6 +72,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
         "dp2xpp2-z2",
         "p2-v2-m4-z1",
         "p4-v2-m8-z2",
+        "dp2xpp2-v2-z2",
     ],
 )
 def test_pipeline_equals_gradient_accumulation(ranks, world, stages, gas, stage, chunks):
@@ -89,6 +91,37 @@ def test_pipeline_equals_gradient_accumulation(ranks, world, stages, gas, stage,
     assert set(merged) == set(ref_params)
     worst = max((_relative(merged[n], ref_params[n]), n) for n in ref_params)
     assert worst[0] < 1e-6, worst
+
+
+def interleaved_reduction_bytes() -> tuple[int, int]:
+    """ZeRO-2 under interleaved 1F1B (DP 2 x PP 2, 2 chunks): the bytes one train_batch
+    reduce-scatters, and each bucket reduced once per micro-batch."""
+    gas = 4
+    engine, *_ = zerolap.initialize(
+        model=models.pipeline(2, virtual_stages=2), config=_config(2, gas)
+    )
+    batches = models.micro_batches(0, gas, 2, engine.get_data_parallel_rank())
+    engine.train_batch(iter(batches))  # the metadata exchange and first-step setup
+    zerolap.comm.configure(enabled=True)
+    zerolap.comm.reset_log()
+    try:
+        engine.train_batch(iter(models.micro_batches(1, gas, 2, engine.get_data_parallel_rank())))
+        sent = sum(
+            r.message_bytes
+            for r in zerolap.comm.COMMS_LOGGER.records
+            if r.op == "ring_reduce_scatter"
+        )
+    finally:
+        zerolap.comm.configure(enabled=False)
+        zerolap.comm.reset_log()
+    once = sum(b.numel for b in engine.layout.buckets) * 4  # fp32
+    return sent, gas * once
+
+
+def test_interleaved_zero2_reduces_each_chunk_after_its_own_backward(ranks):
+    # Before, every chunk's backward also reduced the other chunk's buckets, as zeros: twice this.
+    for sent, expected in ranks(4).run(interleaved_reduction_bytes):
+        assert sent == expected
 
 
 def train_and_evaluate(batches: int) -> tuple[list[float], list[float]]:

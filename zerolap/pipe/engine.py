@@ -163,6 +163,16 @@ class PipelineEngine(ZerolapEngine):
             self._prev = self._link((self.stage_id - 1) % self.num_stages)
         if self.stage_id < self.num_stages - 1 or ring:
             self._next = self._link((self.stage_id + 1) % self.num_stages)
+        chunks_of = self._chunks_of_params()
+        self._chunk_buckets = [  # per chunk, the buckets its backward reduces (when apart)
+            frozenset(
+                self.layout.slots[slot].bucket
+                for slot, param in enumerate(self.params)
+                if chunk in chunks_of.get(id(param), ())
+            )
+            for chunk in range(self.chunks)
+        ]
+        self._backward_chunk = 0
         self.data_iterator: Iterator | None = None
         self.last_stats: dict | None = None  # the last train_batch's measurements
 
@@ -204,8 +214,36 @@ class PipelineEngine(ZerolapEngine):
             for p in self.module.tied_weights(key)
         )
 
-    def _bucket_alone(self) -> frozenset[int]:
-        return frozenset(id(p) for p in self._tied_params())
+    def _bucket_kinds(self) -> list | None:
+        """A tied weight's bucket holds it alone; when chunks reduce apart, a bucket holds the
+        parameters of one set of chunks."""
+        tied = {id(p) for p in self._tied_params()}
+        apart = self._chunks_reduce_apart()
+        chunks_of = self._chunks_of_params() if apart else {}
+        return [(chunks_of.get(id(p)), id(p) if id(p) in tied else None) for p in self.params]
+
+    def _chunks_reduce_apart(self) -> bool:
+        """Under ZeRO-2 every backward reduces (into the gradient shard): with virtual stages
+        and data parallelism, each chunk's backward reduces only its own buckets, instead of
+        the others' as zeros. Stages 0-1 reduce once, at the boundary, all that accumulated."""
+        return (
+            self.module.virtual_stages > 1
+            and self.plan.reduce_every_micro_batch
+            and self.world_size > 1
+        )
+
+    def _chunks_of_params(self) -> dict[int, frozenset[int]]:
+        """Per parameter id, the chunks of this stage that use it."""
+        chunks_of: dict[int, set[int]] = {}
+        for chunk in range(self.module.virtual_stages):
+            for param in self.module.chunk_parameters(chunk):
+                chunks_of.setdefault(id(param), set()).add(chunk)
+        return {key: frozenset(value) for key, value in chunks_of.items()}
+
+    def _reduce_scope(self) -> frozenset[int] | None:
+        if not self._chunks_reduce_apart():
+            return None
+        return self._chunk_buckets[self._backward_chunk]
 
     def _broadcast_initial_state(self) -> None:
         """Every stage's copy of a tied weight starts as the copy on the stage of the tie's
@@ -448,6 +486,7 @@ class PipelineEngine(ZerolapEngine):
             grads = self._next.wait(batch.grads.pop(key))
             tensors = [t for t in outputs if t.requires_grad]
         self._boundary = boundary  # the batch's last backward reduces and ends the cycle
+        self._backward_chunk = chunk
         self._open_backward("engine")
         start = time.perf_counter()
         try:

@@ -191,6 +191,17 @@ class PipelineModule(nn.Module):
                 funcs.append(ref)
         return funcs
 
+    def chunk_parameters(self, chunk: int) -> list[nn.Parameter]:
+        """The parameters chunk ``chunk``'s layers hold (a tied module's included), once each."""
+        found: dict[int, nn.Parameter] = {}
+        for kind, ref in self._calls[chunk]:
+            if kind == "function":
+                continue
+            module = self._modules[ref] if kind == "module" else self.tied_modules[ref[0]]
+            for param in module.parameters():
+                found.setdefault(id(param), param)
+        return list(found.values())
+
     # -- what the engine asks -----------------------------------------------------------------
 
     @property

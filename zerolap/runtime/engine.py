@@ -330,12 +330,11 @@ class ZerolapEngine(torch.nn.Module):
                 unit_names=self.units.names,
             )
             return
-        alone = self._bucket_alone()
         self.layout = build_layout(
             [p.numel() for p in self.params],
             bucket_numel=zero.reduce_bucket_size,
             world_size=self.world_size,
-            alone=frozenset(i for i, p in enumerate(self.params) if id(p) in alone),
+            kinds=self._bucket_kinds(),
         )
         self.param_store = None
         if self.params:
@@ -451,10 +450,15 @@ class ZerolapEngine(torch.nn.Module):
         (counted there, not here, in the global norm); none outside a pipeline."""
         return frozenset()
 
-    def _bucket_alone(self) -> frozenset[int]:
-        """Ids of parameters that get a gradient bucket of their own: none outside a
+    def _bucket_kinds(self) -> list | None:
+        """Per managed parameter, its kind: a gradient bucket holds one kind only (all alike
+        outside a pipeline)."""
+        return None
+
+    def _reduce_scope(self) -> frozenset[int] | None:
+        """The buckets the coming backward reduces, when it reduces: all (None) outside a
         pipeline."""
-        return frozenset()
+        return None
 
     # -- training -----------------------------------------------------------------------------
 
@@ -536,7 +540,7 @@ class ZerolapEngine(torch.nn.Module):
         reduce = self.plan.reduce_every_micro_batch or (
             self.is_gradient_accumulation_boundary() and not self._no_sync
         )
-        self.reducer.begin_backward(reduce)
+        self.reducer.begin_backward(reduce, scope=self._reduce_scope() if reduce else None)
         if self.is_gradient_accumulation_boundary():
             self.optimizer.prefetch()  # swapped state is read while this backward runs
 

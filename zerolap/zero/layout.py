@@ -19,6 +19,7 @@ A rank's *shard* is its chunks concatenated in bucket order; ``shard_offset`` ma
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -152,25 +153,27 @@ class FlatLayout:
 
 
 def build_layout(
-    numels: list[int], *, bucket_numel: int, world_size: int, alone: frozenset[int] = frozenset()
+    numels: list[int],
+    *,
+    bucket_numel: int,
+    world_size: int,
+    kinds: Sequence[Hashable] | None = None,
 ) -> FlatLayout:
     """Lay out parameters of ``numels`` (already in gradient-ready order) into buckets of about
-    ``bucket_numel`` elements, each padded to a multiple of ``world_size``. Parameters at the
-    indices ``alone`` get a bucket of their own (a pipeline's tied weight: its chunks are then
-    the same elements on every stage that holds it, whatever else each stage holds)."""
+    ``bucket_numel`` elements, each padded to a multiple of ``world_size``. A bucket holds
+    parameters of one kind only (``kinds[i]``, all alike if None): a pipeline gives a tied
+    weight a kind of its own (its chunks are then the same elements on every stage that holds
+    it, whatever else each stage holds) and each virtual stage's parameters theirs (reduced
+    after that chunk's backward alone)."""
     if bucket_numel <= 0:
         raise ValueError(f"reduce_bucket_size must be positive, got {bucket_numel}")
     groups: list[list[int]] = []
     size = 0
-    previous_alone = False
     for index, numel in enumerate(numels):
-        is_alone = index in alone
-        if groups and groups[-1] and (size + numel > bucket_numel or is_alone or previous_alone):
+        new_kind = kinds is not None and index > 0 and kinds[index] != kinds[index - 1]
+        if not groups or (groups[-1] and (size + numel > bucket_numel or new_kind)):
             groups.append([])
             size = 0
-        previous_alone = is_alone
-        if not groups:
-            groups.append([])
         groups[-1].append(numel)
         size += numel
     return layout_from_groups(groups, world_size=world_size)

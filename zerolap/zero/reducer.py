@@ -2,8 +2,11 @@
 
 Phases of one backward:
 
-1. ``begin_backward(reduce)``: buckets return to EMPTY. ``reduce`` is false for a micro-batch
-   whose gradients only accumulate locally (stages 0-1 before the accumulation boundary).
+1. ``begin_backward(reduce, scope)``: buckets return to EMPTY. ``reduce`` is false for a
+   micro-batch whose gradients only accumulate locally (stages 0-1 before the accumulation
+   boundary); ``scope`` limits a reducing backward to some buckets (an interleaved pipeline's
+   chunk: its backward reaches only that chunk's parameters, and the others' buckets are not
+   reduced as zeros).
 2. Hook, once per parameter gradient: the gradient is written into the storage (and the
    autograd tensor dropped), the parameter's bucket is marked; a completed bucket becomes READY
    and, with ``overlap_comm``, READY buckets are launched at once in index order, so their
@@ -55,7 +58,9 @@ class GradReducer:
         self.overlap = overlap
         self.buckets = [Bucket(b) for b in layout.buckets]
         self.reducing = False  # whether the current backward reduces
-        self._next_launch = 0  # buckets launch strictly in index order
+        self._order = self.buckets  # the buckets it reduces, in index order
+        self._scope: frozenset[int] | None = None
+        self._next_launch = 0  # position in _order: buckets launch strictly in index order
         self.last_timing: BackwardTiming | None = None  # of the last reducing backward
         self._got_grad = [False] * len(params)
         self._hooks = [
@@ -76,8 +81,11 @@ class GradReducer:
         for bucket in self.buckets:
             bucket.delivered = False
 
-    def begin_backward(self, reduce: bool) -> None:
+    def begin_backward(self, reduce: bool, scope: frozenset[int] | None = None) -> None:
+        """``scope``: the indices of the buckets a reducing backward reduces (None: all)."""
         self.reducing = reduce
+        self._order = [b for b in self.buckets if scope is None or b.index in scope]
+        self._scope = scope
         self._next_launch = 0
         for bucket in self.buckets:
             bucket.reset()
@@ -90,6 +98,13 @@ class GradReducer:
         if not self.reducing:
             self.storage.write(bucket, slot, grad)
             return
+        if self._scope is not None and bucket.index not in self._scope:
+            raise RuntimeError(
+                f"a parameter of shape {tuple(param.shape)} got a gradient in a backward that "
+                f"reduces only buckets {sorted(self._scope)}, not its bucket {bucket.index}: "
+                "with virtual stages, a parameter must belong to the layers of every chunk "
+                "that uses it"
+            )
         if bucket.state in (BucketState.REDUCING, BucketState.REDUCED):
             self._finish(bucket)
             bucket.refill_late(slot)
@@ -100,8 +115,8 @@ class GradReducer:
             self._launch_ready()
 
     def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets):
-            bucket = self.buckets[self._next_launch]
+        while self._next_launch < len(self._order):
+            bucket = self._order[self._next_launch]
             if bucket.state != BucketState.READY:
                 return
             self._launch(bucket)
@@ -135,15 +150,15 @@ class GradReducer:
             return []
         compute_end = time.perf_counter()
         first_round = self._next_launch
-        for bucket in self.buckets[first_round:]:
+        for bucket in self._order[first_round:]:
             if bucket.state != BucketState.READY:
                 bucket.pending.clear()  # parameters without a gradient contribute zeros
                 bucket.move(BucketState.READY, "(flushed at the end of backward)")
         self._launch_ready()
-        for bucket in self.buckets:
+        for bucket in self._order:
             self._finish(bucket)
         # Late gradients: buckets refilled after their round, reduced again in index order.
-        late = [b for b in self.buckets[:first_round] if b.state != BucketState.REDUCED]
+        late = [b for b in self._order[:first_round] if b.state != BucketState.REDUCED]
         for bucket in late:
             if bucket.state == BucketState.FILLING:
                 bucket.move(BucketState.READY)

@@ -1,0 +1,61 @@
+"""The reducer's scope (an interleaved pipeline chunk's backward reduces only that chunk's
+buckets) and the layout's kinds it relies on, in one process with a recording reduction."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from zerolap.zero.grad_storage import ShardGradients
+from zerolap.zero.layout import build_layout
+from zerolap.zero.reducer import GradReducer
+
+
+class _Recorded:
+    """A reduction over one rank that records which buckets it was launched for."""
+
+    def __init__(self) -> None:
+        self.launched: list[int] = []
+
+    def launch(self, bucket, buffer):
+        self.launched.append(bucket.index)
+
+        class Done:
+            def wait(self) -> None:
+                pass
+
+        return Done(), lambda: (buffer, bucket.layout.start, bucket.layout.end)
+
+
+def test_buckets_hold_one_kind():
+    layout = build_layout([4, 4, 4, 4], bucket_numel=100, world_size=1, kinds="aabb")
+    assert [b.slots for b in layout.buckets] == [(0, 1), (2, 3)]
+    layout = build_layout([4, 4, 4], bucket_numel=100, world_size=1, kinds=[0, 1, 0])
+    assert [b.slots for b in layout.buckets] == [(0,), (1,), (2,)]
+    assert len(build_layout([4, 4, 4], bucket_numel=100, world_size=1).buckets) == 1
+
+
+def _reducer():
+    params = [torch.nn.Parameter(torch.ones(4)) for _ in range(4)]
+    layout = build_layout([4] * 4, bucket_numel=100, world_size=1, kinds="aabb")
+    storage = ShardGradients(layout, 0, dtype=torch.float32, comm_dtype=torch.float32, device="cpu")
+    reduction = _Recorded()
+    reducer = GradReducer(params, layout, storage, reduction, overlap=True)
+    reducer.begin_cycle()
+    return params, storage, reduction, reducer
+
+
+def test_a_scoped_backward_reduces_its_buckets_only():
+    params, storage, reduction, reducer = _reducer()
+    reducer.begin_backward(True, scope=frozenset({1}))
+    (params[2] * 2 + params[3] * 3).sum().backward()
+    reducer.finish_backward()
+    assert reduction.launched == [1]  # bucket 0 was not reduced as zeros
+    assert storage.shard.tolist() == [0.0] * 8 + [2.0] * 4 + [3.0] * 4
+
+
+def test_a_gradient_outside_the_scope_is_named():
+    params, _, _, reducer = _reducer()
+    reducer.begin_backward(True, scope=frozenset({1}))
+    with pytest.raises(RuntimeError, match="reduces only buckets \\[1\\], not its bucket 0"):
+        params[0].sum().backward()
