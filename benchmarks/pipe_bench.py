@@ -1,7 +1,8 @@
 """Pipeline parallelism, p = 2 on the 42M GPT split by blocks: the measured bubble against the
 theory, the exposed point-to-point time, peak activation memory per stage, and step time against
-DeepSpeed's PipelineEngine on the same partition, data and optimizer; 1F1B and zerolap's
-interleaved 1F1B (``--virtual-stages 1 2``: each rank holding 2 chunks of blocks).
+DeepSpeed's PipelineEngine on the same partition, data and optimizer; 1F1B, zerolap's
+interleaved 1F1B (``--virtual-stages 1 2``: each rank holding 2 chunks of blocks) and zerolap's
+ZB-H1 (``--zero-bubble``, on by default: linear layers' weight gradients deferred).
 
     python benchmarks/pipe_bench.py                              # zerolap only
     python benchmarks/pipe_bench.py --deepspeed-python /tmp/dsenv/bin/python
@@ -20,7 +21,8 @@ What is measured, per train_batch:
   issued it (both clocks are this host's monotonic clock), summed, against the p2p time: the
   same messages' one-way time measured alone, by ping-pong, in the same run.
 * **activations**: the peak of bytes saved for backward (``saved_tensors_hooks``, parameters
-  excluded, each storage once) during train_batch, per stage.
+  excluded, each storage once) during train_batch, per stage; under ZB-H1 the inputs and output
+  gradients that the deferred weight steps keep are counted with them (each storage once).
 """
 
 from __future__ import annotations
@@ -82,7 +84,9 @@ class _Held:
         self.counter.release(self.key)
 
 
-def worker(system: str, micro_batches: int, chunks: int, steps: int, warmup: int, out: str) -> None:
+def worker(
+    system: str, micro_batches: int, chunks: int, kind: str, steps: int, warmup: int, out: str
+) -> None:
     import torch
 
     torch.set_num_threads(1)
@@ -118,6 +122,8 @@ def worker(system: str, micro_batches: int, chunks: int, steps: int, warmup: int
         "zero_optimization": {"stage": 0},
         "zero_allow_untested_optimizer": True,
     }
+    if kind != "1f1b":
+        config["pipeline"] = {"schedule": kind}  # zerolap's key
     optimizer = torch.optim.AdamW(
         [p for p in module.parameters() if p.requires_grad],
         lr=5e-4,
@@ -127,6 +133,9 @@ def worker(system: str, micro_batches: int, chunks: int, steps: int, warmup: int
     engine, *_ = framework.initialize(model=module, optimizer=optimizer, config=config)
     rank = torch.distributed.get_rank()
     counter = SavedBytes(module.parameters())
+    deferred = getattr(engine, "_deferred", None)  # zerolap's ZB-H1
+    if deferred is not None:
+        _count_deferred(deferred, counter)
     times, stats, reports, losses = [], [], [], []
     for step in range(warmup + steps):
         tokens, targets = synthetic_batch(cfg, micro_batches, seed=step)
@@ -155,6 +164,22 @@ def worker(system: str, micro_batches: int, chunks: int, steps: int, warmup: int
     torch.distributed.all_gather_object(everyone, mine)
     if rank == 0:
         Path(out).write_text(json.dumps(everyone))
+
+
+def _count_deferred(deferred, counter: SavedBytes) -> None:
+    """What ZB-H1's deferred weight steps keep (``DeferredWeights._hold``) counted with the
+    saved tensors, each storage once."""
+    held: dict[int, list] = {}
+    account = deferred._hold
+
+    def hold(tensor, sign: int = 1) -> None:
+        account(tensor, sign)
+        if sign > 0:
+            held.setdefault(id(tensor), []).append(counter.pack(tensor))
+        else:
+            held[id(tensor)].pop()  # its _Held goes: released when nothing else holds it
+
+    deferred._hold = hold
 
 
 def _ping(events: list, rank: int) -> dict[str, float]:
@@ -222,13 +247,15 @@ def analyse(ranks: list[dict]) -> dict:
 # -- the driver ---------------------------------------------------------------------------------
 
 
-def launch(python: str, system: str, micro_batches: int, chunks: int, args) -> list[dict]:
+def launch(
+    python: str, system: str, micro_batches: int, chunks: int, kind: str, args
+) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         command = [
             python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
             __file__, "--worker", system, "--micro-batches", str(micro_batches),
-            "--virtual-stages", str(chunks),
+            "--virtual-stages", str(chunks), "--schedule", kind,
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
@@ -249,6 +276,11 @@ def main() -> None:
         "--virtual-stages", type=int, nargs="+", default=[1, 2],
         help="chunks per rank: 1 is 1F1B, more is zerolap's interleaved 1F1B",
     )  # fmt: skip
+    parser.add_argument("--schedule", default="1f1b", help=argparse.SUPPRESS)  # a worker's
+    parser.add_argument(
+        "--zero-bubble", action=argparse.BooleanOptionalAction, default=True,
+        help="also zerolap's ZB-H1 (pipeline.schedule: zb-h1)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
@@ -259,6 +291,7 @@ def main() -> None:
             args.worker,
             args.micro_batches[0],
             args.virtual_stages[0],
+            args.schedule,
             args.steps,
             args.warmup,
             args.out,
@@ -269,18 +302,24 @@ def main() -> None:
     if args.deepspeed_python:
         systems["deepspeed"] = args.deepspeed_python
     results: dict = {}
+    variants = [(v, "1f1b") for v in args.virtual_stages]  # (chunks, schedule)
+    if args.zero_bubble:
+        variants.append((1, "zb-h1"))
     runs = [
-        (system, python, m, v)
+        (system, python, m, v, kind)
         for m in args.micro_batches
-        for v in args.virtual_stages
+        for v, kind in variants
         for system, python in systems.items()
-        if v == 1 or system == "zerolap"  # DeepSpeed has no virtual stages
+        if (v, kind) == (1, "1f1b") or system == "zerolap"  # DeepSpeed: 1F1B only
     ]
     for round_ in range(args.rounds):
-        for system, python, m, v in runs:
-            ranks = launch(python, system, m, v, args)
-            results.setdefault((system, m, v), []).append(ranks)
-            print(f"round {round_ + 1}: {system} m={m} v={v} step {ranks[0]['times']}", flush=True)
+        for system, python, m, v, kind in runs:
+            ranks = launch(python, system, m, v, kind, args)
+            results.setdefault((system, m, v, kind), []).append(ranks)
+            print(
+                f"round {round_ + 1}: {system} m={m} v={v} {kind} step {ranks[0]['times']}",
+                flush=True,
+            )
     print()
     print(
         "| m | system | step s (median) | vs zerolap 1F1B | bubble stage 0 / 1 | formula | "
@@ -289,8 +328,8 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for m in args.micro_batches:
         base = None
-        for v in args.virtual_stages:
-            ours = [analyse(r) for r in results[("zerolap", m, v)]]
+        for v, kind in variants:
+            ours = [analyse(r) for r in results[("zerolap", m, v, kind)]]
             step = statistics.median(a["step_s"] for a in ours)
             base = base or step
             bubble = [statistics.median(a["bubble"][s] for a in ours) for s in range(2)]
@@ -299,14 +338,15 @@ def main() -> None:
             p2p = statistics.median(a["p2p_s"] for a in ours) * 1e3
             peak = ours[0]["peak_activation_mib"]
             formula = ours[0]["bubble_formula"]
-            name = "zerolap 1F1B" if v == 1 else f"zerolap interleaved, v={v}"
+            name = "zerolap ZB-H1" if kind == "zb-h1" else "zerolap 1F1B"
+            name = f"zerolap interleaved, v={v}" if v > 1 else name
             print(
                 f"| {m} | {name} | {step:.3f} | {step / base:.2f} | {bubble[0]:.3f} / "
                 f"{bubble[1]:.3f} | {formula:.3f} | {sim[0]:.3f} / {sim[1]:.3f} | "
                 f"{exposed:.1f} / {p2p:.1f} ms | {peak[0]:.0f} / {peak[1]:.0f} |"
             )
-        if ("deepspeed", m, 1) in results:
-            runs = results[("deepspeed", m, 1)]
+        if ("deepspeed", m, 1, "1f1b") in results:
+            runs = results[("deepspeed", m, 1, "1f1b")]
             ds_step = statistics.median(statistics.median(r[0]["times"]) for r in runs)
             ds_peak = [runs[0][s]["peak"] / 2**20 for s in range(2)]
             print(
@@ -314,9 +354,9 @@ def main() -> None:
                 f"- | {ds_peak[0]:.0f} / {ds_peak[1]:.0f} |"
             )
     for m in args.micro_batches:
-        if ("deepspeed", m, 1) in results:
-            ours = results[("zerolap", m, 1)][0][0]["losses"]
-            theirs = results[("deepspeed", m, 1)][0][0]["losses"]
+        if ("deepspeed", m, 1, "1f1b") in results:
+            ours = results[("zerolap", m, 1, "1f1b")][0][0]["losses"]
+            theirs = results[("deepspeed", m, 1, "1f1b")][0][0]["losses"]
             gap = max(abs(a - b) for a, b in zip(ours, theirs, strict=True))
             print(f"m={m}: largest loss difference zerolap vs DeepSpeed over the steps: {gap:.2e}")
 

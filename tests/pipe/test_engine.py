@@ -14,7 +14,7 @@ import zerolap
 from tests.multiproc import RankFailure, run_on_ranks
 from tests.pipe import models
 from zerolap.config import ConfigError
-from zerolap.pipe import PipeError, PipelineError, PipelineModule
+from zerolap.pipe import LayerSpec, PipeError, PipelineError, PipelineModule
 
 STEPS = 10
 
@@ -93,19 +93,41 @@ def test_pipeline_equals_gradient_accumulation(ranks, world, stages, gas, stage,
     assert worst[0] < 1e-6, worst
 
 
-def interleaved_reduction_bytes() -> tuple[int, int]:
-    """ZeRO-2 under interleaved 1F1B (DP 2 x PP 2, 2 chunks): the bytes one train_batch
-    reduce-scatters, and each bucket reduced once per micro-batch."""
+@pytest.mark.parametrize(
+    ("world", "stages", "gas", "stage"),
+    [(2, 2, 4, 1), (4, 4, 8, 0), (4, 2, 4, 2), (4, 4, 4, 2)],
+    ids=["p2-m4-z1", "p4-m8-z0", "dp2xpp2-z2", "p4-m4-z2"],
+)
+def test_zero_bubble_equals_gradient_accumulation(ranks, world, stages, gas, stage):
+    """ZB-H1: each linear layer's weight gradients computed apart, after the input gradients."""
+    results = ranks(world).run(train, stages, gas, stage, pipeline={"schedule": "zb-h1"})
+    ref_losses, ref_norms, ref_params = models.reference(STEPS, gas, world // stages)
+    merged: dict[str, torch.Tensor] = {}
+    for losses, norms, params, stats, _ in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-6)
+        assert norms == pytest.approx(ref_norms, rel=1e-6)
+        assert stats["schedule"] == "zb-h1"
+        assert sum(op == "weight" for op, *_ in stats["steps"]) == gas
+        merged.update(params)
+    worst = max((_relative(merged[n], ref_params[n]), n) for n in ref_params)
+    assert worst[0] < 1e-6, worst
+
+
+def reduction_bytes(split: str) -> tuple[int, int]:
+    """ZeRO-2 on DP 2 x PP 2 with backwards that reach part of a stage's parameters
+    (``split``: interleaved 1F1B's chunks, or ZB-H1's input-gradient and weight halves): the
+    bytes one train_batch reduce-scatters, and each bucket reduced once per micro-batch."""
     gas = 4
+    chunks, extra = (2, {}) if split == "chunks" else (1, {"pipeline": {"schedule": "zb-h1"}})
     engine, *_ = zerolap.initialize(
-        model=models.pipeline(2, virtual_stages=2), config=_config(2, gas)
+        model=models.pipeline(2, virtual_stages=chunks), config=_config(2, gas, **extra)
     )
-    batches = models.micro_batches(0, gas, 2, engine.get_data_parallel_rank())
-    engine.train_batch(iter(batches))  # the metadata exchange and first-step setup
+    data_rank = engine.get_data_parallel_rank()
+    engine.train_batch(iter(models.micro_batches(0, gas, 2, data_rank)))  # metadata, setup
     zerolap.comm.configure(enabled=True)
     zerolap.comm.reset_log()
     try:
-        engine.train_batch(iter(models.micro_batches(1, gas, 2, engine.get_data_parallel_rank())))
+        engine.train_batch(iter(models.micro_batches(1, gas, 2, data_rank)))
         sent = sum(
             r.message_bytes
             for r in zerolap.comm.COMMS_LOGGER.records
@@ -118,9 +140,10 @@ def interleaved_reduction_bytes() -> tuple[int, int]:
     return sent, gas * once
 
 
-def test_interleaved_zero2_reduces_each_chunk_after_its_own_backward(ranks):
-    # Before, every chunk's backward also reduced the other chunk's buckets, as zeros: twice this.
-    for sent, expected in ranks(4).run(interleaved_reduction_bytes):
+@pytest.mark.parametrize("split", ["chunks", "zb-h1"])
+def test_zero2_reduces_each_bucket_once_per_micro_batch(ranks, split):
+    # Before, each partial backward also reduced the other buckets, as zeros: twice this.
+    for sent, expected in ranks(4).run(reduction_bytes, split):
         assert sent == expected
 
 
@@ -193,6 +216,46 @@ def initialize_with(config_changes: dict, stages: int = 2):
 def test_misconfigured_pipeline_fails_before_training(ranks, changes, message):
     for answer in ranks(2).run(initialize_with, changes):
         assert answer is not None and message in answer[1], answer
+
+
+class _SharedUse(torch.nn.Module):
+    """A linear layer whose weight is also used outside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(models.WIDTH, models.WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + x @ self.lin.weight.t()
+
+
+def zero_bubble_errors() -> list[str]:
+    messages = []
+    zb = _config(1, 2, pipeline={"schedule": "zb-h1"})
+    for kwargs in ({"virtual_stages": 2, "num_stages": 2}, {"activation_checkpoint_interval": 1}):
+        kwargs.setdefault("num_stages", 1)
+        module = PipelineModule(models.layers(), loss_fn=models.loss_fn, **kwargs)
+        try:
+            zerolap.initialize(model=module, config=zb)
+        except ConfigError as error:
+            messages.append(str(error))
+    layers = [*models.layers()[:2], _SharedUse, *models.layers()[2:]]
+    layers[2] = LayerSpec(_SharedUse)
+    module = PipelineModule(layers, num_stages=1, loss_fn=models.loss_fn)
+    engine, *_ = zerolap.initialize(model=module, config=zb)  # data parallelism 2
+    try:
+        data_rank = engine.get_data_parallel_rank()
+        engine.train_batch(iter(models.micro_batches(0, 2, 2, data_rank)))
+    except ValueError as error:
+        messages.append(str(error))
+    return messages
+
+
+def test_zero_bubble_errors_are_named(ranks):
+    virtual, checkpointing, shared = ranks(2).run(zero_bubble_errors)[0]
+    assert "pipeline.schedule=zb-h1 with virtual_stages=2" in virtual
+    assert "activation_checkpoint_interval=1" in checkpointing
+    assert "parameter 2.lin.weight is used outside its own nn.Linear layer" in shared
 
 
 def misuse():

@@ -12,6 +12,7 @@ from zerolap.pipe.p2p import TensorMeta, _decode, _encode
 from zerolap.pipe.partition import balanced_bounds, layer_weights
 from zerolap.pipe.schedule import (
     Op,
+    Step,
     forward_only,
     one_f_one_b,
     schedule,
@@ -81,6 +82,35 @@ def test_one_f_one_b_runs_every_micro_batch_and_reaches_the_theoretical_bubble(
         assert 1 - busy / span == pytest.approx(
             theoretical_bubble(stages=stages, micro_batches=micro_batches)
         )
+
+
+@pytest.mark.parametrize(("stages", "micro_batches"), [(2, 4), (2, 8), (4, 4), (4, 8), (3, 7)])
+def test_zero_bubble_h1_reaches_its_theoretical_bubble(stages, micro_batches):
+    """ZB-H1: 1F1B's forwards and backwards in 1F1B's order (the same messages), every
+    micro-batch's weight step after its backward, at most p micro-batches held on any stage
+    (activations or a weight step's inputs, 1F1B's peak), and with equal forward,
+    input-gradient and weight steps the bubble (p - 1) / (3 m + p - 1), a third of 1F1B's
+    for m >> p."""
+    schedules = [
+        schedule(stages=stages, stage=s, micro_batches=micro_batches, kind="zb-h1")
+        for s in range(stages)
+    ]
+    for stage, steps in enumerate(schedules):
+        plain = one_f_one_b(stages=stages, stage=stage, micro_batches=micro_batches)
+        assert [s for s in steps if s.op is not Op.WEIGHT] == plain
+        weights = [s.micro_batch for s in steps if s.op is Op.WEIGHT]
+        assert weights == list(range(micro_batches))
+        held = peak = 0
+        for i, step in enumerate(steps):
+            if step.op is Op.WEIGHT:
+                assert Step(Op.BACKWARD, step.micro_batch) in steps[:i]
+            held += {Op.FORWARD: 1, Op.BACKWARD: 0, Op.WEIGHT: -1}[step.op]
+            peak = max(peak, held)
+        assert peak <= min(stages, micro_batches)
+    bubble = theoretical_bubble(stages=stages, micro_batches=micro_batches, kind="zb-h1")
+    assert bubble < theoretical_bubble(stages=stages, micro_batches=micro_batches)
+    for busy, span in simulate(schedules, forward_s=1.0, backward_s=1.0, weight_s=1.0):
+        assert 1 - busy / span == pytest.approx(bubble)
 
 
 def test_simulate_names_a_deadlock():

@@ -35,3 +35,7 @@ class PipelineConfig(ConfigSection):
     in DeepSpeed); above it zerolap sends each tensor rank's whole copy and says so at start."""
     grad_partitioned: bool = True
     """The same for the gradients going back."""
+    schedule: Literal["1f1b", "zb-h1"] = "1f1b"
+    """zerolap's key: ``1f1b`` (interleaved when the module has ``virtual_stages``) or ``zb-h1``
+    (zero bubble: each linear layer's weight gradients deferred into the cool-down;
+    ``pipe.schedule``, ``pipe.weight_grad``)."""

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 import zerolap.comm as dist
 from zerolap.accelerator import get_accelerator
@@ -33,6 +34,7 @@ from zerolap.pipe.module import PipelineModule
 from zerolap.pipe.p2p import MAX_CHUNKS, StageLink
 from zerolap.pipe.report import batch_report
 from zerolap.pipe.schedule import Op, Step, forward_only, schedule
+from zerolap.pipe.weight_grad import DeferredWeights
 from zerolap.runtime.engine import ZerolapEngine
 from zerolap.utils.logging import logger
 
@@ -71,6 +73,18 @@ def check_pipeline_config(config, model, mpu) -> None:
         raise ConfigError(
             "the ds_config's pipeline section contradicts the PipelineModule: "
             + "; ".join(problems)
+        )
+    if section.schedule == "zb-h1" and (
+        model.virtual_stages > 1 or model.activation_checkpoint_interval
+    ):
+        raise ConfigError(
+            "pipeline.schedule=zb-h1 with "
+            + (
+                f"virtual_stages={model.virtual_stages}: ZB-H1 runs one chunk per stage"
+                if model.virtual_stages > 1
+                else f"activation_checkpoint_interval={model.activation_checkpoint_interval}: "
+                "a recomputed forward would record its linear layers twice"
+            )
         )
     if config.zero_optimization.stage == 3:
         raise ConfigError(
@@ -163,16 +177,26 @@ class PipelineEngine(ZerolapEngine):
             self._prev = self._link((self.stage_id - 1) % self.num_stages)
         if self.stage_id < self.num_stages - 1 or ring:
             self._next = self._link((self.stage_id + 1) % self.num_stages)
+        self.schedule_kind = self._config.pipeline.schedule
+        self._deferred = None  # ZB-H1: the linear layers' weight gradients, computed apart
+        if self.schedule_kind == "zb-h1":
+            names = {id(p): n for n, p in module.named_parameters()}
+            self._deferred = DeferredWeights(self._deferred_layers(), names)
+        deferred = {id(p) for p in self._deferred.params} if self._deferred else set()
+        self._input_grad_params = [p for p in self.params if id(p) not in deferred]
+        # Per (op, chunk), the buckets that backward reduces when they reduce apart.
         chunks_of = self._chunks_of_params()
-        self._chunk_buckets = [  # per chunk, the buckets its backward reduces (when apart)
-            frozenset(
+        self._scopes = {
+            (op, chunk): frozenset(
                 self.layout.slots[slot].bucket
                 for slot, param in enumerate(self.params)
                 if chunk in chunks_of.get(id(param), ())
+                and (id(param) in deferred) == (op is Op.WEIGHT)
             )
+            for op in (Op.BACKWARD, Op.WEIGHT)
             for chunk in range(self.chunks)
-        ]
-        self._backward_chunk = 0
+        }
+        self._backward_at = (Op.BACKWARD, 0)
         self.data_iterator: Iterator | None = None
         self.last_stats: dict | None = None  # the last train_batch's measurements
 
@@ -190,6 +214,7 @@ class PipelineEngine(ZerolapEngine):
             stage=self.stage_id,
             micro_batches=self.micro_batches,
             chunks=self.chunks,
+            kind=self.schedule_kind,
         )
 
     # -- construction hooks (called by ZerolapEngine.__init__) ----------------------------------
@@ -215,22 +240,39 @@ class PipelineEngine(ZerolapEngine):
         )
 
     def _bucket_kinds(self) -> list | None:
-        """A tied weight's bucket holds it alone; when chunks reduce apart, a bucket holds the
-        parameters of one set of chunks."""
+        """A tied weight's bucket holds it alone; when backwards reduce apart, a bucket holds
+        the parameters of one set of chunks, deferred by ZB-H1 or not."""
         tied = {id(p) for p in self._tied_params()}
-        apart = self._chunks_reduce_apart()
+        apart = self._reduces_apart()
         chunks_of = self._chunks_of_params() if apart else {}
-        return [(chunks_of.get(id(p)), id(p) if id(p) in tied else None) for p in self.params]
+        layers = self._deferred_layers() if apart else []
+        deferred = {id(p) for layer in layers for p in layer.parameters()}
+        return [
+            (chunks_of.get(id(p)), id(p) if id(p) in tied else None, id(p) in deferred)
+            for p in self.params
+        ]
 
-    def _chunks_reduce_apart(self) -> bool:
-        """Under ZeRO-2 every backward reduces (into the gradient shard): with virtual stages
-        and data parallelism, each chunk's backward reduces only its own buckets, instead of
-        the others' as zeros. Stages 0-1 reduce once, at the boundary, all that accumulated."""
-        return (
-            self.module.virtual_stages > 1
-            and self.plan.reduce_every_micro_batch
-            and self.world_size > 1
-        )
+    def _deferred_layers(self) -> list[nn.Linear]:
+        """ZB-H1: the stage's trainable ``nn.Linear`` layers (tied ones excepted: their weight
+        serves another layer too); none under other schedules."""
+        if self._config.pipeline.schedule != "zb-h1":
+            return []
+        tied = {id(m) for m in self.module.tied_modules.modules()}
+        return [
+            m
+            for m in self.module.modules()
+            if type(m) is nn.Linear
+            and id(m) not in tied
+            and any(p.requires_grad for p in m.parameters())
+        ]
+
+    def _reduces_apart(self) -> bool:
+        """Under ZeRO-2 every backward reduces (into the gradient shard). With data parallelism,
+        a backward that reaches only some parameters (one of the virtual stages' chunks, or
+        ZB-H1's input-gradient and weight halves) reduces only their buckets, instead of the
+        others' as zeros. Stages 0-1 reduce once, at the boundary, all that accumulated."""
+        split = self.module.virtual_stages > 1 or self._config.pipeline.schedule == "zb-h1"
+        return split and self.plan.reduce_every_micro_batch and self.world_size > 1
 
     def _chunks_of_params(self) -> dict[int, frozenset[int]]:
         """Per parameter id, the chunks of this stage that use it."""
@@ -241,9 +283,7 @@ class PipelineEngine(ZerolapEngine):
         return {key: frozenset(value) for key, value in chunks_of.items()}
 
     def _reduce_scope(self) -> frozenset[int] | None:
-        if not self._chunks_reduce_apart():
-            return None
-        return self._chunk_buckets[self._backward_chunk]
+        return self._scopes[self._backward_at] if self._reduces_apart() else None
 
     def _broadcast_initial_state(self) -> None:
         """Every stage's copy of a tied weight starts as the copy on the stage of the tie's
@@ -376,13 +416,18 @@ class PipelineEngine(ZerolapEngine):
             link.trace = []
         start = time.perf_counter()
         waited = self._link_waits()
-        last_backward = max((i for i, s in enumerate(steps) if s.op is Op.BACKWARD), default=-1)
+        # The batch's last step that makes gradients reduces them and ends the cycle.
+        last = max((i for i, s in enumerate(steps) if s.op is not Op.FORWARD), default=-1)
+        if self._deferred is not None:
+            self._deferred.drop()  # what a batch that raised left
         for index, step in enumerate(steps):
             self._post_ahead(steps, index, batch)
             if step.op is Op.FORWARD:
                 self._forward(step.micro_batch, step.chunk, batch, data)
+            elif step.op is Op.BACKWARD:
+                self._backward(step.micro_batch, step.chunk, batch, index == last)
             else:
-                self._backward(step.micro_batch, step.chunk, batch, index == last_backward)
+                self._weight(step.micro_batch, step.chunk, batch, index == last)
             for link in links:
                 link.reap()
         for link in links:
@@ -391,6 +436,7 @@ class PipelineEngine(ZerolapEngine):
             "stage": self.stage_id,
             "micro_batches": batch.micro_batches,
             "chunks": self.chunks,
+            "schedule": self.schedule_kind,
             "schedule_s": time.perf_counter() - start,
             "compute_s": batch.compute_s,
             "p2p_wait_s": self._link_waits() - waited,
@@ -423,8 +469,8 @@ class PipelineEngine(ZerolapEngine):
             step = steps[position]
             if not any(wanted.values()):
                 break
-            if not wanted[step.op]:
-                continue
+            if step.op is Op.WEIGHT or not wanted[step.op]:
+                continue  # a weight step receives nothing
             wanted[step.op] -= 1
             key, g = (step.chunk, step.micro_batch), self._global(step.chunk)
             if step.op is Op.FORWARD:
@@ -450,6 +496,8 @@ class PipelineEngine(ZerolapEngine):
         else:
             inputs = tuple(self._prev.wait(batch.activations.pop(key)))
         start = time.perf_counter()
+        if self._deferred is not None and batch.train:
+            self._deferred.record(key)
         out = self.module(inputs if len(inputs) > 1 else inputs[0], chunk=chunk)
         if last:
             loss_fn = self.module.loss_fn
@@ -470,6 +518,8 @@ class PipelineEngine(ZerolapEngine):
                     )
             if batch.train:
                 batch.outputs[key] = outs
+        if self._deferred is not None and batch.train:
+            self._deferred.stop((batch.outputs[key],) if last else outs)
         end = time.perf_counter()
         batch.compute_s += end - start
         batch.spans.append(("forward", mb, start, end))
@@ -486,16 +536,22 @@ class PipelineEngine(ZerolapEngine):
             grads = self._next.wait(batch.grads.pop(key))
             tensors = [t for t in outputs if t.requires_grad]
         self._boundary = boundary  # the batch's last backward reduces and ends the cycle
-        self._backward_chunk = chunk
+        self._backward_at = (Op.BACKWARD, chunk)
         self._open_backward("engine")
         start = time.perf_counter()
+        # ZB-H1: the inputs' gradients and every parameter's but the deferred linear weights'.
+        only = None
+        if self._deferred is not None:
+            received = [] if self._is_first_chunk(chunk) else batch.inputs[key]
+            only = [t for t in received if t.requires_grad] + self._input_grad_params
+            only += self._deferred.extra_inputs(key)
         try:
             if last:
                 self.nonfinite.observe_loss(outputs)
                 scale = self.loss_scaler.loss_scale / batch.micro_batches
-                (outputs.float() * scale).backward()
+                (outputs.float() * scale).backward(inputs=only)
             else:
-                torch.autograd.backward(tensors, grads)
+                torch.autograd.backward(tensors, grads, inputs=only)
         except BaseException:
             self._backward_kind = None
             raise
@@ -514,6 +570,31 @@ class PipelineEngine(ZerolapEngine):
         end = time.perf_counter()
         batch.compute_s += end - start
         batch.spans.append(("backward", mb, start, end))
+
+    def _weight(self, mb: int, chunk: int, batch: _Batch, boundary: bool) -> None:
+        """ZB-H1's weight step: the deferred linear layers' gradients of micro-batch ``mb``,
+        accumulated (and reduced, when due) like any backward's."""
+        self._boundary = boundary
+        self._backward_at = (Op.WEIGHT, chunk)
+        self._open_backward("engine")
+        start = time.perf_counter()
+        try:
+            params, grads = self._deferred.gradients((chunk, mb))
+            if params:
+                torch.autograd.backward(params, grads)
+        except BaseException:
+            self._backward_kind = None
+            raise
+        self._close_backward(start)
+        end = time.perf_counter()
+        batch.compute_s += end - start
+        batch.spans.append(("weight", mb, start, end))
+
+    def destroy(self) -> None:
+        if self._deferred is not None:
+            self._deferred.remove()
+            self._deferred = None
+        super().destroy()
 
     def _reduce_tied_grads(self) -> None:
         """A tied weight's gradient is the sum of its stages' (each already averaged over its

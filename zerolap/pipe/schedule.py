@@ -13,6 +13,17 @@ times. Each step is a chunk's, ``1 / v`` of a stage's work, and the warm-up and 
 counted in those smaller steps: the bubble falls to ``(p - 1) / (v m + p - 1)``, for ``v``
 times the messages. Micro-batches go in groups of ``p``: ``m`` must be a multiple of ``p``.
 
+ZB-H1 (zero bubble, Qi et al. 2023, the variant that keeps 1F1B's activation count): each
+backward is split in two, ``BACKWARD`` computing only the gradients of the stage's inputs (what
+the previous stage waits for) and ``WEIGHT`` the weight gradients of its linear layers, which
+nobody waits for. Stage ``s`` runs 1F1B's forward and backward order, each weight step after
+its backward, except that it keeps ``s`` of them deferred: the later a stage, the sooner its
+input gradients leave for the stages waiting on them, and the deferred weight steps fill the
+cool-down, where 1F1B idles. With forward, input-gradient and weight-gradient steps of equal
+cost the bubble falls from ``(p - 1) / (m + p - 1)`` to ``(p - 1) / (3 m + p - 1)``, and stage
+``s`` holds at most ``p - s`` micro-batches' activations plus ``s`` deferred weight steps'
+inputs (at most ``p`` in all, 1F1B's first stage's).
+
 Messages follow from the steps: a forward of global chunk ``g > 0`` needs the activations of
 its micro-batch from chunk ``g - 1`` (on the previous rank, the last rank's going round to rank
 0); a backward of a chunk before the last needs the gradients of its outputs from chunk
@@ -34,12 +45,14 @@ __all__ = [
     "schedule",
     "simulate",
     "theoretical_bubble",
+    "zero_bubble_h1",
 ]
 
 
 class Op(Enum):
     FORWARD = "forward"
-    BACKWARD = "backward"
+    BACKWARD = "backward"  # the whole backward, or (ZB-H1) the inputs' gradients only
+    WEIGHT = "weight"  # ZB-H1: the deferred weight gradients of a backward already run
 
 
 @dataclass(frozen=True)
@@ -82,8 +95,36 @@ def interleaved_1f1b(*, stages: int, stage: int, micro_batches: int, chunks: int
     return steps
 
 
-def schedule(*, stages: int, stage: int, micro_batches: int, chunks: int = 1) -> list[Step]:
-    """The training schedule: 1F1B, interleaved when a rank holds several chunks."""
+def zero_bubble_h1(*, stages: int, stage: int, micro_batches: int) -> list[Step]:
+    """Stage ``stage``'s steps under ZB-H1: 1F1B's forwards and (input-gradient) backwards,
+    each backward followed by the oldest deferred weight step once more than ``stage`` are
+    waiting (in the cool-down, after every backward); the rest at the end."""
+    warmup = min(stages - stage - 1, micro_batches)
+    steps = [Step(Op.FORWARD, i) for i in range(warmup)]
+    deferred: list[int] = []
+
+    def backward(i: int) -> None:
+        steps.append(Step(Op.BACKWARD, i))
+        deferred.append(i)
+
+    for i in range(micro_batches - warmup):
+        steps.append(Step(Op.FORWARD, warmup + i))
+        backward(i)
+        if len(deferred) > stage:
+            steps.append(Step(Op.WEIGHT, deferred.pop(0)))
+    for i in range(micro_batches - warmup, micro_batches):
+        backward(i)
+        steps.append(Step(Op.WEIGHT, deferred.pop(0)))
+    steps += [Step(Op.WEIGHT, i) for i in deferred]
+    return steps
+
+
+def schedule(
+    *, stages: int, stage: int, micro_batches: int, chunks: int = 1, kind: str = "1f1b"
+) -> list[Step]:
+    """The training schedule: 1F1B (interleaved when a rank holds several chunks) or ZB-H1."""
+    if kind == "zb-h1":
+        return zero_bubble_h1(stages=stages, stage=stage, micro_batches=micro_batches)
     if chunks == 1:
         return one_f_one_b(stages=stages, stage=stage, micro_batches=micro_batches)
     return interleaved_1f1b(stages=stages, stage=stage, micro_batches=micro_batches, chunks=chunks)
@@ -96,8 +137,13 @@ def forward_only(*, stages: int = 1, micro_batches: int, chunks: int = 1) -> lis
     return [s for s in steps if s.op is Op.FORWARD]
 
 
-def theoretical_bubble(*, stages: int, micro_batches: int, chunks: int = 1) -> float:
-    """The idle fraction of each stage under (interleaved) 1F1B with equal costs everywhere."""
+def theoretical_bubble(
+    *, stages: int, micro_batches: int, chunks: int = 1, kind: str = "1f1b"
+) -> float:
+    """The idle fraction of each stage with equal costs everywhere: (interleaved) 1F1B's, or
+    ZB-H1's with equal forward, input-gradient and weight-gradient steps."""
+    if kind == "zb-h1":
+        return (stages - 1) / (3 * micro_batches + stages - 1)
     return (stages - 1) / (chunks * micro_batches + stages - 1)
 
 
@@ -106,15 +152,20 @@ def simulate(
     *,
     forward_s: float | list[float] = 1.0,
     backward_s: float | list[float] = 2.0,
+    weight_s: float | list[float] = 0.0,
     chunks: int = 1,
 ) -> list[tuple[float, float]]:
     """Run each stage's steps with the given costs (of a whole stage, one for all stages or one
-    per stage; a chunk's step costs ``1 / chunks`` of it) and free messages; per stage,
-    ``(busy, span)``: its compute time and the time from the batch's start to the last stage's
-    end. Raises ``RuntimeError`` on a deadlock (a step whose input is never produced)."""
+    per stage; a chunk's step costs ``1 / chunks`` of it; ``weight_s`` is a ZB-H1 weight step's)
+    and free messages; per stage, ``(busy, span)``: its compute time and the time from the
+    batch's start to the last stage's end. Raises ``RuntimeError`` on a deadlock (a step whose
+    input is never produced)."""
     stages = len(schedules)
-    forward_s = forward_s if isinstance(forward_s, list) else [forward_s] * stages
-    backward_s = backward_s if isinstance(backward_s, list) else [backward_s] * stages
+
+    def per_stage(cost: float | list[float]) -> list[float]:
+        return cost if isinstance(cost, list) else [cost] * stages
+
+    forward_s, backward_s, weight_s = map(per_stage, (forward_s, backward_s, weight_s))
     last = stages * chunks - 1  # the global index of the last chunk
     done: dict[tuple[int, Op, int], float] = {}
     position, clock = [0] * stages, [0.0] * stages
@@ -129,6 +180,9 @@ def simulate(
                 if step.op is Op.FORWARD:
                     needs = (g - 1, Op.FORWARD, mb) if g > 0 else None
                     cost = forward_s[s] / chunks
+                elif step.op is Op.WEIGHT:
+                    needs = (g, Op.BACKWARD, mb)  # its own backward: earlier on this stage
+                    cost = weight_s[s] / chunks
                 else:
                     needs = (g + 1, Op.BACKWARD, mb) if g < last else None
                     cost = backward_s[s] / chunks

@@ -1,0 +1,173 @@
+"""ZB-H1's split backward: the input gradients now, the linear layers' weight gradients later.
+
+A linear layer's backward is two products: ``g W`` for its input (what the previous stage waits
+for) and ``g^T x`` for its weight (what nobody waits for until the step). ``DeferredWeights``
+takes the second out of the backward, for every ``nn.Linear`` of a stage (exactly that class,
+whose backward is known; other layers and every other parameter keep theirs):
+
+* in a training forward, each call of such a layer keeps its input ``x`` and hooks its output,
+  so that the input-gradient pass leaves the output's gradient ``g`` there;
+* the input-gradient pass is autograd's backward asked for the stage's inputs and the other
+  parameters only (``inputs=``): autograd then skips the weight products;
+* the weight step computes ``g^T x`` (and ``sum g`` for the bias) per call and hands the sums
+  to autograd's accumulation, so the reducer's hooks see them as any backward's gradients.
+
+A layer whose input needs no gradient (it reads the data) would be skipped by the input-gradient
+pass altogether, leaving no ``g``: its input is given to it as a leaf that needs one, which the
+pass is asked for too (one product spent). A deferred weight used anywhere but in its own layer
+would lose that use's gradient, so the first training forward checks the graph: every path into
+a deferred parameter must come from one of its layer's calls, or the error names it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["DeferredWeights"]
+
+
+@dataclass
+class _Call:
+    """One call of a deferred layer in one micro-batch's forward."""
+
+    layer: nn.Linear
+    x: torch.Tensor
+    grad: torch.Tensor | None = None  # of the output, left by the input-gradient pass
+
+
+class DeferredWeights:
+    def __init__(self, layers: list[nn.Linear], name_of: dict[int, str]) -> None:
+        """``layers``: the stage's trainable ``nn.Linear`` modules whose parameters are
+        deferred; ``name_of``: parameter id -> its name (for errors)."""
+        self.params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+        self._name_of = name_of
+        self._calls: dict[object, list[_Call]] = {}  # per micro-batch key
+        self._leaves: dict[object, list[torch.Tensor]] = {}  # inputs made leaves, per key
+        self._key = None  # the micro-batch whose training forward is running
+        self.held_bytes = self.peak_bytes = 0  # of inputs and output gradients kept
+        self._checked = False
+        self._hooks = []
+        for layer in layers:
+            self._hooks.append(layer.register_forward_pre_hook(self._before))
+            self._hooks.append(layer.register_forward_hook(self._after))
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def record(self, key) -> None:
+        """The training forward of micro-batch ``key`` starts: its layer calls are kept."""
+        self._key = key
+        self._calls[key], self._leaves[key] = [], []
+
+    def stop(self, outputs) -> None:
+        """That forward ended (``outputs``: what its backward starts from). The first one
+        checks that deferred parameters are used by their own layers only."""
+        key, self._key = self._key, None
+        if not self._checked and key is not None:
+            self._check(outputs, self._calls[key])
+            self._checked = True
+
+    def _before(self, layer, args):
+        if self._key is None or not torch.is_grad_enabled():
+            return None
+        x = args[0]
+        if x.requires_grad:
+            return None
+        leaf = x.detach().requires_grad_()  # so the input-gradient pass reaches the layer
+        self._leaves[self._key].append(leaf)
+        return (leaf, *args[1:])
+
+    def _after(self, layer, args, output) -> None:
+        if self._key is None or not torch.is_grad_enabled():
+            return
+        call = _Call(layer, args[0])
+        self._calls[self._key].append(call)
+
+        self._hold(call.x)
+
+        def keep(grad: torch.Tensor) -> None:
+            if call.grad is None:
+                self._hold(grad)
+                call.grad = grad
+            else:
+                call.grad = call.grad + grad
+
+        output.register_hook(keep)
+
+    def _hold(self, tensor: torch.Tensor, sign: int = 1) -> None:
+        self.held_bytes += sign * tensor.numel() * tensor.element_size()
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def extra_inputs(self, key) -> list[torch.Tensor]:
+        """The leaves made for micro-batch ``key``'s layers, which the input-gradient pass must
+        be asked for too."""
+        return self._leaves.pop(key, [])
+
+    def gradients(self, key) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+        """Micro-batch ``key``'s weight step: each deferred parameter's gradient, summed over
+        its layer's calls (parameters whose calls got no gradient are left out)."""
+        sums: dict[int, torch.Tensor] = {}
+        for call in self._calls.pop(key):
+            self._hold(call.x, -1)
+            if call.grad is None:  # an output nothing downstream used: no gradient
+                continue
+            self._hold(call.grad, -1)
+            g = call.grad.reshape(-1, call.grad.shape[-1])
+            x = call.x.detach().reshape(-1, call.x.shape[-1])
+            weight, bias = call.layer.weight, call.layer.bias
+            pieces = [(weight, g.t() @ x)]
+            if bias is not None:
+                pieces.append((bias, g.sum(0)))
+            for param, grad in pieces:
+                if param.requires_grad:
+                    sums[id(param)] = grad if id(param) not in sums else sums[id(param)] + grad
+        params = [p for p in self.params if id(p) in sums]
+        return params, [sums[id(p)] for p in params]
+
+    def drop(self) -> None:
+        """Forget every micro-batch (a train_batch that raised)."""
+        self._calls.clear()
+        self._leaves.clear()
+        self._key = None
+        self.held_bytes = 0
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # -- the check ----------------------------------------------------------------------------
+
+    def _check(self, outputs, calls: list[_Call]) -> None:
+        """Count the graph's edges into each deferred parameter: one per call of its layer
+        (through that call's own nodes); any more is a use elsewhere, whose gradient the
+        split would lose."""
+        deferred = {id(p): p for p in self.params}
+        expected: dict[int, int] = {}
+        for call in calls:
+            for param in (call.layer.weight, call.layer.bias):
+                if param is not None and id(param) in deferred:
+                    expected[id(param)] = expected.get(id(param), 0) + 1
+        roots = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn]
+        seen, stack, found = set(), list(roots), {}
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            for child, _ in node.next_functions:
+                variable = getattr(child, "variable", None)
+                if variable is not None and id(variable) in deferred:
+                    found[id(variable)] = found.get(id(variable), 0) + 1
+                stack.append(child)
+        for key, count in found.items():
+            if count > expected.get(key, 0):
+                raise ValueError(
+                    f"pipeline.schedule=zb-h1: parameter {self._name_of.get(key, '?')} is used "
+                    "outside its own nn.Linear layer, whose weight gradient ZB-H1 computes "
+                    "apart (that use's gradient would be lost); use schedule 1f1b"
+                )
