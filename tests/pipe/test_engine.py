@@ -218,6 +218,33 @@ def test_misconfigured_pipeline_fails_before_training(ranks, changes, message):
         assert answer is not None and message in answer[1], answer
 
 
+def mlp_on_features(kind: str) -> dict[str, torch.Tensor]:
+    """An MLP whose first layer reads float features that need no gradient (ZB-H1 gives that
+    layer's input a leaf, so the input-gradient pass reaches it), trained 3 steps."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh()]
+    layers.append(torch.nn.Linear(16, 4))
+    module = PipelineModule(
+        layers, num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform"
+    )
+    config = _config(1, 4, pipeline={"schedule": kind})
+    engine, *_ = zerolap.initialize(model=module, config=config)
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        batch = [(torch.randn(2, 8, generator=generator), torch.randn(2, 4, generator=generator))]
+        engine.train_batch(iter(batch * 4))
+    return {n: p.detach().clone() for n, p in module.named_parameters()}
+
+
+def test_zero_bubble_reaches_a_layer_reading_features(ranks):
+    for plain, split in zip(
+        ranks(2).run(mlp_on_features, "1f1b"), ranks(2).run(mlp_on_features, "zb-h1"), strict=True
+    ):
+        assert plain.keys() == split.keys() and plain
+        for name, value in plain.items():
+            torch.testing.assert_close(split[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
 class _SharedUse(torch.nn.Module):
     """A linear layer whose weight is also used outside it."""
 

@@ -540,11 +540,11 @@ class PipelineEngine(ZerolapEngine):
         self._open_backward("engine")
         start = time.perf_counter()
         # ZB-H1: the inputs' gradients and every parameter's but the deferred linear weights'.
-        only = None
+        only, leaves = None, []
         if self._deferred is not None:
             received = [] if self._is_first_chunk(chunk) else batch.inputs[key]
-            only = [t for t in received if t.requires_grad] + self._input_grad_params
-            only += self._deferred.extra_inputs(key)
+            leaves = self._deferred.extra_inputs(key)
+            only = [t for t in received if t.requires_grad] + self._input_grad_params + leaves
         try:
             if last:
                 self.nonfinite.observe_loss(outputs)
@@ -555,6 +555,8 @@ class PipelineEngine(ZerolapEngine):
         except BaseException:
             self._backward_kind = None
             raise
+        for leaf in leaves:
+            leaf.grad = None  # asked for only so that the pass reaches their layers
         # The inputs' gradients go back before the end-of-backward wait: the previous stage
         # is waiting for them, and the wait (at the batch's last backward) may hold a
         # collective of the whole job (ignore_unused_parameters: false) it must reach first.
