@@ -1,10 +1,11 @@
 """``PipelineEngine``: DeepSpeed's ``train_batch`` / ``eval_batch`` over a ``PipelineModule``.
 
 One ``train_batch`` runs ``gradient_accumulation_steps`` micro-batches through the 1F1B
-schedule (``pipe.schedule``) and steps once. Each stage is a ZeRO engine of its own layers over
-its data-parallel group (stages 0-2): its backward passes are the engine's backward passes, with
-the last micro-batch's reducing the gradients while it runs, and the step is the engine's step,
-with the norm for clipping and the overflow check agreed over the whole pipeline.
+schedule (interleaved with virtual stages, or ZB-H1: ``pipe.schedule``) and steps once. Each
+stage is a ZeRO engine of its own layers over its data-parallel group (stages 0-2): its
+backward passes are the engine's backward passes, with the last reducing the gradients while it
+runs (every one under ZeRO 2), and the step is the engine's step, with the norm for clipping and
+the overflow check agreed over the whole pipeline.
 
 Per step, in order:
 1. post the receives the next steps need (activations from the previous stage, gradients from
@@ -12,7 +13,9 @@ Per step, in order:
 2. forward (inputs from the data on the first stage, received on the others; the last stage
    computes the loss from its labels) and send the outputs on, asynchronously;
 3. backward (the loss, scaled, on the last stage; the received gradients of the outputs on the
-   others) and send the inputs' gradients back, asynchronously.
+   others) and send the inputs' gradients back, asynchronously; under ZB-H1 this backward
+   skips the linear layers' weight gradients, which a later weight step computes
+   (``pipe.weight_grad``).
 At the end: the sends drained, tied weights' gradients summed over the stages holding them, the
 optimizer step, and the loss averaged over micro-batches and data-parallel copies and broadcast
 to every stage (what ``train_batch`` returns on every rank, as in DeepSpeed).
