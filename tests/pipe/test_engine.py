@@ -220,10 +220,17 @@ def test_misconfigured_pipeline_fails_before_training(ranks, changes, message):
 
 def mlp_on_features(kind: str) -> dict[str, torch.Tensor]:
     """An MLP whose first layer reads float features that need no gradient (ZB-H1 gives that
-    layer's input a leaf, so the input-gradient pass reaches it), trained 3 steps."""
+    layer's input a leaf, so the input-gradient pass reaches it) and whose second and third
+    layers share one weight (summed once), trained 3 steps."""
     torch.manual_seed(0)
-    layers = [torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh()]
-    layers.append(torch.nn.Linear(16, 4))
+    first, second, third = (
+        torch.nn.Linear(8, 16),
+        torch.nn.Linear(16, 16),
+        torch.nn.Linear(16, 16),
+    )
+    third.weight = second.weight
+    layers = [first, torch.nn.Tanh(), second, third]  # stage 0
+    layers += [torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)]
     module = PipelineModule(
         layers, num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform"
     )
@@ -236,7 +243,7 @@ def mlp_on_features(kind: str) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
-def test_zero_bubble_reaches_a_layer_reading_features(ranks):
+def test_zero_bubble_reaches_a_layer_reading_features_and_shares_a_weight(ranks):
     for plain, split in zip(
         ranks(2).run(mlp_on_features, "1f1b"), ranks(2).run(mlp_on_features, "zb-h1"), strict=True
     ):

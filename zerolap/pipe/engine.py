@@ -242,6 +242,18 @@ class PipelineEngine(ZerolapEngine):
             for p in self.module.tied_weights(key)
         )
 
+    def _in_bucket_order(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """When ZB-H1's halves reduce apart, the deferred linear parameters go after all the
+        others (each group in gradient order): the halves' gradients arrive in separate passes
+        anyway, and a transformer block's linear layers and norms would otherwise alternate,
+        cutting the buckets small."""
+        if not self._reduces_apart():
+            return params
+        deferred = {id(p) for layer in self._deferred_layers() for p in layer.parameters()}
+        return [p for p in params if id(p) not in deferred] + [
+            p for p in params if id(p) in deferred
+        ]
+
     def _bucket_kinds(self) -> list | None:
         """A tied weight's bucket holds it alone; when backwards reduce apart, a bucket holds
         the parameters of one set of chunks, deferred by ZB-H1 or not."""
@@ -501,7 +513,12 @@ class PipelineEngine(ZerolapEngine):
         start = time.perf_counter()
         if self._deferred is not None and batch.train:
             self._deferred.record(key)
-        out = self.module(inputs if len(inputs) > 1 else inputs[0], chunk=chunk)
+        try:
+            out = self.module(inputs if len(inputs) > 1 else inputs[0], chunk=chunk)
+        except BaseException:
+            if self._deferred is not None:
+                self._deferred.drop()  # no later call of the layers is this forward's
+            raise
         if last:
             loss_fn = self.module.loss_fn
             if not batch.train:
@@ -584,9 +601,8 @@ class PipelineEngine(ZerolapEngine):
         self._open_backward("engine")
         start = time.perf_counter()
         try:
-            params, grads = self._deferred.gradients((chunk, mb))
-            if params:
-                torch.autograd.backward(params, grads)
+            for param, grad in self._deferred.gradients((chunk, mb)):
+                torch.autograd.backward([param], [grad])  # the reducer's hooks take it
         except BaseException:
             self._backward_kind = None
             raise

@@ -22,7 +22,8 @@ input gradients leave for the stages waiting on them, and the deferred weight st
 cool-down, where 1F1B idles. With forward, input-gradient and weight-gradient steps of equal
 cost the bubble falls from ``(p - 1) / (m + p - 1)`` to ``(p - 1) / (3 m + p - 1)``, and stage
 ``s`` holds at most ``p - s`` micro-batches' activations plus ``s`` deferred weight steps'
-inputs (at most ``p`` in all, 1F1B's first stage's).
+linear inputs and output gradients (at most ``p`` micro-batches in all, 1F1B's first stage's
+count).
 
 Messages follow from the steps: a forward of global chunk ``g > 0`` needs the activations of
 its micro-batch from chunk ``g - 1`` (on the previous rank, the last rank's going round to rank

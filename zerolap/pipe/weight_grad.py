@@ -15,12 +15,13 @@ whose backward is known; other layers and every other parameter keep theirs):
 A layer whose input needs no gradient (it reads the data) would be skipped by the input-gradient
 pass altogether, leaving no ``g``: its input is given to it as a leaf that needs one, which the
 pass is asked for too (one product spent). A deferred weight used anywhere but in its own layer
-would lose that use's gradient, so the first training forward checks the graph: every path into
-a deferred parameter must come from one of its layer's calls, or the error names it.
+would lose that use's gradient, so the first training forward counts the graph's edges into
+each deferred parameter: more than its layer's calls is a use elsewhere, named by the error.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -38,11 +39,17 @@ class _Call:
     grad: torch.Tensor | None = None  # of the output, left by the input-gradient pass
 
 
+def _input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """A linear layer's input, passed by position or as ``input=``."""
+    return args[0] if args else kwargs["input"]
+
+
 class DeferredWeights:
     def __init__(self, layers: list[nn.Linear], name_of: dict[int, str]) -> None:
         """``layers``: the stage's trainable ``nn.Linear`` modules whose parameters are
         deferred; ``name_of``: parameter id -> its name (for errors)."""
-        self.params = [p for layer in layers for p in layer.parameters() if p.requires_grad]
+        found = {id(p): p for layer in layers for p in layer.parameters() if p.requires_grad}
+        self.params = list(found.values())  # once each: layers may share a weight
         self._name_of = name_of
         self._calls: dict[object, list[_Call]] = {}  # per micro-batch key
         self._leaves: dict[object, list[torch.Tensor]] = {}  # inputs made leaves, per key
@@ -51,8 +58,8 @@ class DeferredWeights:
         self._checked = False
         self._hooks = []
         for layer in layers:
-            self._hooks.append(layer.register_forward_pre_hook(self._before))
-            self._hooks.append(layer.register_forward_hook(self._after))
+            self._hooks.append(layer.register_forward_pre_hook(self._before, with_kwargs=True))
+            self._hooks.append(layer.register_forward_hook(self._after, with_kwargs=True))
 
     # -- forward ------------------------------------------------------------------------------
 
@@ -69,22 +76,25 @@ class DeferredWeights:
             self._check(outputs, self._calls[key])
             self._checked = True
 
-    def _before(self, layer, args):
+    def _before(self, layer, args, kwargs):
         if self._key is None or not torch.is_grad_enabled():
             return None
-        x = args[0]
+        x = _input(args, kwargs)
         if x.requires_grad:
             return None
         leaf = x.detach().requires_grad_()  # so the input-gradient pass reaches the layer
         self._leaves[self._key].append(leaf)
-        return (leaf, *args[1:])
+        if args:
+            return (leaf, *args[1:]), kwargs
+        return args, {**kwargs, "input": leaf}
 
-    def _after(self, layer, args, output) -> None:
+    def _after(self, layer, args, kwargs, output) -> None:
         if self._key is None or not torch.is_grad_enabled():
             return
-        call = _Call(layer, args[0])
+        # Detached: the input tensor itself (a received activation) keeps the gradient the
+        # input-gradient pass gives it, which must not live on until the weight step.
+        call = _Call(layer, _input(args, kwargs).detach())
         self._calls[self._key].append(call)
-
         self._hold(call.x)
 
         def keep(grad: torch.Tensor) -> None:
@@ -107,26 +117,30 @@ class DeferredWeights:
         be asked for too."""
         return self._leaves.pop(key, [])
 
-    def gradients(self, key) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
-        """Micro-batch ``key``'s weight step: each deferred parameter's gradient, summed over
-        its layer's calls (parameters whose calls got no gradient are left out)."""
-        sums: dict[int, torch.Tensor] = {}
-        for call in self._calls.pop(key):
+    def gradients(self, key) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+        """Micro-batch ``key``'s weight step: each deferred parameter with its gradient, summed
+        over its layer's calls, one parameter at a time (so that one gradient is alive at
+        once); parameters whose calls got no gradient (outputs nothing used) are skipped."""
+        calls = self._calls.pop(key)
+        for param in reversed(self.params):  # the last layers' first: the buckets' order
+            total = None
+            for call in calls:
+                if call.grad is None:
+                    continue
+                if param is call.layer.weight:
+                    g = call.grad.reshape(-1, call.grad.shape[-1])
+                    grad = g.t() @ call.x.reshape(-1, call.x.shape[-1])
+                elif param is call.layer.bias:
+                    grad = call.grad.reshape(-1, call.grad.shape[-1]).sum(0)
+                else:
+                    continue
+                total = grad if total is None else total + grad
+            if total is not None:
+                yield param, total
+        for call in calls:
             self._hold(call.x, -1)
-            if call.grad is None:  # an output nothing downstream used: no gradient
-                continue
-            self._hold(call.grad, -1)
-            g = call.grad.reshape(-1, call.grad.shape[-1])
-            x = call.x.detach().reshape(-1, call.x.shape[-1])
-            weight, bias = call.layer.weight, call.layer.bias
-            pieces = [(weight, g.t() @ x)]
-            if bias is not None:
-                pieces.append((bias, g.sum(0)))
-            for param, grad in pieces:
-                if param.requires_grad:
-                    sums[id(param)] = grad if id(param) not in sums else sums[id(param)] + grad
-        params = [p for p in self.params if id(p) in sums]
-        return params, [sums[id(p)] for p in params]
+            if call.grad is not None:
+                self._hold(call.grad, -1)
 
     def drop(self) -> None:
         """Forget every micro-batch (a train_batch that raised)."""

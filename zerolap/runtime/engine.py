@@ -170,7 +170,7 @@ class ZerolapEngine(torch.nn.Module):
             )
             self.params = self.units.trainable_params if trains else []
         else:
-            self.params = trainable_params(module) if trains else []
+            self.params = self._in_bucket_order(trainable_params(module)) if trains else []
         self._check_one_dtype()
         self._build_buffers()
         self._broadcast_initial_state()
@@ -449,6 +449,11 @@ class ZerolapEngine(torch.nn.Module):
         """Ids of parameters that are copies of a weight another pipeline stage holds too
         (counted there, not here, in the global norm); none outside a pipeline."""
         return frozenset()
+
+    def _in_bucket_order(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        """The managed parameters in the order the flat buffers hold them: the order their
+        gradients are expected in (``trainable_params``), outside a pipeline."""
+        return params
 
     def _bucket_kinds(self) -> list | None:
         """Per managed parameter, its kind: a gradient bucket holds one kind only (all alike

@@ -92,7 +92,7 @@ class FlatParams:
                 )
         except BaseException as error:
             # The buckets never launched hold stale chunks: waiting for them raises this error,
-            # so every later read through the engine fails instead of using them.
+            # so the engine's own readers (and, deferred, every read) fail instead of using them.
             for b in self.layout.buckets:
                 self._in_flight.setdefault(b.index, _NeverLaunched(b.index, error))
             raise

@@ -102,8 +102,9 @@ class GradReducer:
             raise RuntimeError(
                 f"a parameter of shape {tuple(param.shape)} got a gradient in a backward that "
                 f"reduces only buckets {sorted(self._scope)}, not its bucket {bucket.index}: "
-                "with virtual stages, a parameter must belong to the layers of every chunk "
-                "that uses it"
+                "a pipeline backward that reaches part of a stage (a virtual stage's chunk, "
+                "ZB-H1's input-gradient half) must find every parameter it reaches among that "
+                "part's (a layer of one chunk using another chunk's parameter breaks this)"
             )
         if bucket.state in (BucketState.REDUCING, BucketState.REDUCED):
             self._finish(bucket)
