@@ -378,20 +378,24 @@ def test_profiler_lanes_and_pipeline_report(ranks):
         assert report["p2p_wait_s"][1] >= report["exposed_p2p_s"][1]
 
 
-def plain_model_with_pipeline_stages():
-    try:
-        zerolap.initialize(model=models.pipeline(1), config=_config(1, 2))
-        zerolap.initialize(
-            model=torch.nn.Linear(2, 2), config={**_config(1, 2), "pipeline": {"stages": 2}}
-        )
-    except ConfigError as error:
-        return str(error)
-    return None
+def plain_model_with_pipeline_keys() -> list[str | None]:
+    zerolap.initialize(model=models.pipeline(1), config=_config(1, 2))
+    messages = []
+    for section in ({"stages": 2}, {"schedule": "zb-h1"}):
+        try:
+            zerolap.initialize(
+                model=torch.nn.Linear(2, 2), config={**_config(1, 2), "pipeline": section}
+            )
+            messages.append(None)
+        except ConfigError as error:
+            messages.append(str(error))
+    return messages
 
 
-def test_pipeline_stages_for_a_plain_model_are_refused(ranks):
-    message = ranks(2).run(plain_model_with_pipeline_stages)[0]
-    assert "pipeline.stages=2 but the model is a Linear" in message
+def test_pipeline_keys_for_a_plain_model_are_refused(ranks):
+    stages, schedule = ranks(2).run(plain_model_with_pipeline_keys)[0]
+    assert "pipeline.stages=2 but the model is a Linear" in stages
+    assert "pipeline.schedule='zb-h1' but the model is a Linear" in schedule
 
 
 TP_SPLIT = {

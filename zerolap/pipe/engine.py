@@ -53,12 +53,14 @@ def check_pipeline_config(config, model, mpu) -> None:
     model (a ``PipelineModule`` or not); every rank raises alike."""
     section = config.pipeline
     if not isinstance(model, PipelineModule):
-        if section.stages not in ("auto", 1):
-            raise ConfigError(
-                f"pipeline.stages={section.stages} but the model is a "
-                f"{type(model).__name__}: pipeline parallelism needs a zerolap.pipe."
-                "PipelineModule (deepspeed.pipe.PipelineModule)"
-            )
+        for key, plain in (("stages", ("auto", 1)), ("schedule", ("1f1b",))):
+            value = getattr(section, key)
+            if value not in plain:
+                raise ConfigError(
+                    f"pipeline.{key}={value!r} but the model is a "
+                    f"{type(model).__name__}: pipeline parallelism needs a zerolap.pipe."
+                    "PipelineModule (deepspeed.pipe.PipelineModule)"
+                )
         return
     problems = []
     if section.stages not in ("auto", model.num_stages):
