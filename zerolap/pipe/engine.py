@@ -603,8 +603,7 @@ class PipelineEngine(ZerolapEngine):
         self._open_backward("engine")
         start = time.perf_counter()
         try:
-            for param, grad in self._deferred.gradients((chunk, mb)):
-                torch.autograd.backward([param], [grad])  # the reducer's hooks take it
+            self._deferred.accumulate((chunk, mb))
         except BaseException:
             self._backward_kind = None
             raise

@@ -21,7 +21,6 @@ each deferred parameter: more than its layer's calls is a use elsewhere, named b
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +36,25 @@ class _Call:
     layer: nn.Linear
     x: torch.Tensor
     grad: torch.Tensor | None = None  # of the output, left by the input-gradient pass
+
+
+class _Computed(torch.autograd.Function):
+    """A node whose backward gives ``param`` the gradient of its layer's calls."""
+
+    @staticmethod
+    def forward(ctx, param: torch.Tensor, uses: list) -> torch.Tensor:
+        ctx.uses = uses
+        return param.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        total = None
+        for call, is_weight in ctx.uses:
+            g = call.grad.reshape(-1, call.grad.shape[-1])
+            grad = g.t() @ call.x.reshape(-1, call.x.shape[-1]) if is_weight else g.sum(0)
+            total = grad if total is None else total.add_(grad)
+        ctx.uses = None
+        return total, None
 
 
 def _input(args: tuple, kwargs: dict) -> torch.Tensor:
@@ -117,26 +135,28 @@ class DeferredWeights:
         be asked for too."""
         return self._leaves.pop(key, [])
 
-    def gradients(self, key) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
-        """Micro-batch ``key``'s weight step: each deferred parameter with its gradient, summed
-        over its layer's calls, one parameter at a time (so that one gradient is alive at
-        once); parameters whose calls got no gradient (outputs nothing used) are skipped."""
+    def accumulate(self, key) -> None:
+        """Micro-batch ``key``'s weight step: each deferred parameter's gradient, summed over
+        its layer's calls, handed to autograd's accumulation one parameter at a time (so that
+        one is alive at once, and the reducer's hooks take it as they take any backward's);
+        a parameter whose calls got no gradient (outputs nothing used) gets none."""
         calls = self._calls.pop(key)
-        for param in reversed(self.params):  # the last layers' first: the buckets' order
-            total = None
-            for call in calls:
-                if call.grad is None:
-                    continue
-                if param is call.layer.weight:
-                    g = call.grad.reshape(-1, call.grad.shape[-1])
-                    grad = g.t() @ call.x.reshape(-1, call.x.shape[-1])
-                elif param is call.layer.bias:
-                    grad = call.grad.reshape(-1, call.grad.shape[-1]).sum(0)
-                else:
-                    continue
-                total = grad if total is None else total + grad
-            if total is not None:
-                yield param, total
+        roots = []
+        # Autograd runs the newest node first: built in forward order, the last layers' come
+        # first, the order of the gradient buckets.
+        for param in self.params:
+            uses = [
+                (call, param is call.layer.weight)
+                for call in calls
+                if call.grad is not None
+                and (param is call.layer.weight or param is call.layer.bias)
+            ]
+            if uses:
+                roots.append(_Computed.apply(param, uses))
+        if roots:
+            # Computed inside autograd's backward, so that the accumulation owns each gradient
+            # and takes it as it is (a gradient held from Python would be copied).
+            torch.autograd.backward(roots, [torch.ones(())] * len(roots))
         for call in calls:
             self._hold(call.x, -1)
             if call.grad is not None:
