@@ -19,6 +19,7 @@ from zerolap.pipe.schedule import (
     simulate,
     theoretical_bubble,
 )
+from zerolap.pipe.weight_grad import DeferredWeights
 from zerolap.topology import ParallelDims
 
 
@@ -111,6 +112,41 @@ def test_zero_bubble_h1_reaches_its_theoretical_bubble(stages, micro_batches):
     assert bubble < theoretical_bubble(stages=stages, micro_batches=micro_batches)
     for busy, span in simulate(schedules, forward_s=1.0, backward_s=1.0, weight_s=1.0):
         assert 1 - busy / span == pytest.approx(bubble)
+
+
+def test_deferred_weights_equal_autograd_and_arrive_last_layer_first():
+    """The split backward in one process: the input-gradient pass and the weight step together
+    give every parameter autograd's gradient (a weight shared by two layers, a frozen weight
+    with a trainable bias, a layer called by keyword), and the weight step hands them over last
+    layer first, each once."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(4, 4) for _ in range(4)]
+    layers[3].weight = layers[2].weight
+    layers[1].weight.requires_grad_(False)
+
+    def run(x):
+        h = layers[1](torch.tanh(layers[0](x)))
+        return layers[3](input=torch.tanh(layers[2](h)))
+
+    x = torch.randn(3, 4, requires_grad=True)
+    run(x).square().sum().backward()
+    params = {id(p): p for layer in layers for p in layer.parameters() if p.requires_grad}
+    expected = {key: p.grad.clone() for key, p in params.items()}
+    for p in params.values():
+        p.grad = None
+    deferred = DeferredWeights(layers, {})
+    arrived = []
+    for key, p in params.items():
+        p.register_post_accumulate_grad_hook(lambda p, key=key: arrived.append(key))
+    deferred.record(0)
+    y = run(x).square().sum()
+    deferred.stop((y,))
+    torch.autograd.backward([y], inputs=[x, *deferred.extra_inputs(0)])
+    assert arrived == []  # nothing of the deferred layers in the input-gradient pass
+    deferred.accumulate(0)
+    assert arrived == list(reversed(params))  # params: forward order, each once
+    for key, p in params.items():
+        torch.testing.assert_close(p.grad, expected[key], rtol=1e-6, atol=1e-7)
 
 
 def test_simulate_names_a_deadlock():
