@@ -531,6 +531,29 @@ def test_interleaved_evaluation_and_report(ranks):
         assert report["bubble_formula"] == pytest.approx(1 / 9)  # (p-1) / (v m + p - 1)
 
 
+def evaluate_and_report_zero_bubble():
+    engine, *_ = zerolap.initialize(
+        model=models.pipeline(2), config=_config(1, 4, pipeline={"schedule": "zb-h1"})
+    )
+    batch = models.micro_batches(0, 4, 1, 0)
+    loss = engine.eval_batch(iter(batch)).item()  # forward only: nothing recorded
+    engine.train_batch(iter(batch))
+    return loss, engine.pipeline_report()
+
+
+def test_zero_bubble_evaluation_and_report(ranks):
+    plain = models.pipeline(1)
+    batch = models.micro_batches(0, 4, 1, 0)
+    with torch.no_grad():
+        want = torch.stack([models.loss_fn(plain(t), y) for t, y in batch]).mean().item()
+    for loss, report in ranks(2).run(evaluate_and_report_zero_bubble):
+        assert loss == pytest.approx(want, rel=1e-6)
+        assert report["schedule"] == "zb-h1"
+        assert report["bubble_formula"] == pytest.approx(1 / 13)  # (p-1) / (3 m + p - 1)
+        assert all(seconds > 0 for seconds in report["weight_s"])
+        assert all(0.0 < b < 1.0 for b in report["bubble_simulated"])
+
+
 def review_fixes():
     """Things a client relies on: no hang with ignore_unused_parameters false, an evaluation
     whose last batch is shorter, logits without a loss, and training_data feeding
