@@ -179,7 +179,8 @@ def tokens() -> torch.Tensor:
 def check_values_after_init_and_initialize(threshold: int, bf16: bool, config_path: str) -> dict:
     cfg = stage3_config(bf16=bf16, threshold=threshold)
     if config_path:
-        with open(config_path, "w") as f:
+        config_path += f".rank{dist.get_rank()}"  # one file each: a rank truncating the file
+        with open(config_path, "w") as f:  # another is reading made the read empty
             json.dump(cfg, f)
     torch.manual_seed(dist.get_rank())  # every rank draws different values; rank 0's are kept
     apply = torch.nn.Module.apply
