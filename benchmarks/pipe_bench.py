@@ -167,19 +167,17 @@ def worker(
 
 
 def _count_deferred(deferred, counter: SavedBytes) -> None:
-    """What ZB-H1's deferred weight steps keep (``DeferredWeights._hold``) counted with the
+    """What ZB-H1's deferred weight steps keep (``DeferredWeights.observer``) counted with the
     saved tensors, each storage once."""
     held: dict[int, list] = {}
-    account = deferred._hold
 
-    def hold(tensor, sign: int = 1) -> None:
-        account(tensor, sign)
-        if sign > 0:
+    def observe(tensor, kept: bool) -> None:
+        if kept:
             held.setdefault(id(tensor), []).append(counter.pack(tensor))
         else:
             held[id(tensor)].pop()  # its _Held goes: released when nothing else holds it
 
-    deferred._hold = hold
+    deferred.observer = observe
 
 
 def _ping(events: list, rank: int) -> dict[str, float]:

@@ -510,48 +510,41 @@ def test_demo_gpt_pipeline_splits_by_its_own_plan(ranks):
             assert (value - expected).abs().max().item() < 1e-5, name
 
 
-def evaluate_and_report_interleaved():
+def evaluate_and_report(chunks: int, schedule: str):
+    import gc
+
+    module = models.pipeline(2, virtual_stages=chunks)
     engine, *_ = zerolap.initialize(
-        model=models.pipeline(2, virtual_stages=2), config=_config(1, 4)
+        model=module, config=_config(1, 4, pipeline={"schedule": schedule})
     )
     batch = models.micro_batches(0, 4, 1, 0)
-    loss = engine.eval_batch(iter(batch)).item()
+    loss = engine.eval_batch(iter(batch)).item()  # forward only: ZB-H1 records nothing
     engine.train_batch(iter(batch))
-    return loss, engine.pipeline_report()
+    report = engine.pipeline_report()
+    del engine
+    gc.collect()  # an engine dropped without destroy() takes its hooks off the model
+    hooked = [m for m in module.modules() if m._forward_pre_hooks or m._forward_hooks]
+    return loss, report, len(hooked)
 
 
-def test_interleaved_evaluation_and_report(ranks):
+@pytest.mark.parametrize(
+    ("chunks", "schedule", "formula"),
+    [(2, "1f1b", 1 / 9), (1, "zb-h1", 1 / 13)],  # (p-1) / (v m + p - 1), (p-1) / (3 m + p - 1)
+    ids=["interleaved", "zb-h1"],
+)
+def test_evaluation_and_report(ranks, chunks, schedule, formula):
     plain = models.pipeline(1)
     batch = models.micro_batches(0, 4, 1, 0)
     with torch.no_grad():
         want = torch.stack([models.loss_fn(plain(t), y) for t, y in batch]).mean().item()
-    for loss, report in ranks(2).run(evaluate_and_report_interleaved):
+    for loss, report, hooked in ranks(2).run(evaluate_and_report, chunks, schedule):
         assert loss == pytest.approx(want, rel=1e-6)
-        assert report["chunks"] == 2
-        assert report["bubble_formula"] == pytest.approx(1 / 9)  # (p-1) / (v m + p - 1)
-
-
-def evaluate_and_report_zero_bubble():
-    engine, *_ = zerolap.initialize(
-        model=models.pipeline(2), config=_config(1, 4, pipeline={"schedule": "zb-h1"})
-    )
-    batch = models.micro_batches(0, 4, 1, 0)
-    loss = engine.eval_batch(iter(batch)).item()  # forward only: nothing recorded
-    engine.train_batch(iter(batch))
-    return loss, engine.pipeline_report()
-
-
-def test_zero_bubble_evaluation_and_report(ranks):
-    plain = models.pipeline(1)
-    batch = models.micro_batches(0, 4, 1, 0)
-    with torch.no_grad():
-        want = torch.stack([models.loss_fn(plain(t), y) for t, y in batch]).mean().item()
-    for loss, report in ranks(2).run(evaluate_and_report_zero_bubble):
-        assert loss == pytest.approx(want, rel=1e-6)
-        assert report["schedule"] == "zb-h1"
-        assert report["bubble_formula"] == pytest.approx(1 / 13)  # (p-1) / (3 m + p - 1)
-        assert all(seconds > 0 for seconds in report["weight_s"])
-        assert all(0.0 <= b < 1.0 for b in report["bubble_simulated"])  # timings vary
+        assert hooked == 0
+        assert (report["chunks"], report["schedule"]) == (chunks, schedule)
+        assert report["bubble_formula"] == pytest.approx(formula)
+        if schedule == "zb-h1":
+            assert all(seconds > 0 for seconds in report["weight_s"])
+            assert all(0.0 <= b < 1.0 for b in report["bubble_simulated"])  # timings vary
 
 
 def review_fixes():

@@ -23,6 +23,7 @@ to every stage (what ``train_batch`` returns on every rank, as in DeepSpeed).
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -79,17 +80,16 @@ def check_pipeline_config(config, model, mpu) -> None:
             "the ds_config's pipeline section contradicts the PipelineModule: "
             + "; ".join(problems)
         )
-    if section.schedule == "zb-h1" and (
-        model.virtual_stages > 1 or model.activation_checkpoint_interval
-    ):
+    if section.schedule == "zb-h1" and model.virtual_stages > 1:
         raise ConfigError(
-            "pipeline.schedule=zb-h1 with "
-            + (
-                f"virtual_stages={model.virtual_stages}: ZB-H1 runs one chunk per stage"
-                if model.virtual_stages > 1
-                else f"activation_checkpoint_interval={model.activation_checkpoint_interval}: "
-                "a recomputed forward would record its linear layers twice"
-            )
+            f"pipeline.schedule=zb-h1 with virtual_stages={model.virtual_stages}: ZB-H1 runs "
+            "one chunk per stage"
+        )
+    if section.schedule == "zb-h1" and model.activation_checkpoint_interval:
+        raise ConfigError(
+            "pipeline.schedule=zb-h1 with activation_checkpoint_interval="
+            f"{model.activation_checkpoint_interval}: a recomputed forward would record its "
+            "linear layers twice"
         )
     if config.zero_optimization.stage == 3:
         raise ConfigError(
@@ -186,21 +186,23 @@ class PipelineEngine(ZerolapEngine):
         self._deferred = None  # ZB-H1: the linear layers' weight gradients, computed apart
         if self.schedule_kind == "zb-h1":
             names = {id(p): n for n, p in module.named_parameters()}
-            self._deferred = DeferredWeights(self._deferred_layers(), names)
-        deferred = {id(p) for p in self._deferred.params} if self._deferred else set()
+            self._deferred = DeferredWeights(self._deferred_layers, names)
+            self._attachments.hooks.append(self._deferred)  # removed with the engine's
+        deferred = self._deferred_ids
         self._input_grad_params = [p for p in self.params if id(p) not in deferred]
-        # Per (op, chunk), the buckets that backward reduces when they reduce apart.
-        chunks_of = self._chunks_of_params()
-        self._scopes = {
-            (op, chunk): frozenset(
-                self.layout.slots[slot].bucket
-                for slot, param in enumerate(self.params)
-                if chunk in chunks_of.get(id(param), ())
-                and (id(param) in deferred) == (op is Op.WEIGHT)
-            )
-            for op in (Op.BACKWARD, Op.WEIGHT)
-            for chunk in range(self.chunks)
-        }
+        # Per (op, chunk), the buckets that backward reduces, when backwards reduce apart.
+        self._scopes = None
+        if self._reduces_apart():
+            self._scopes = {
+                (op, chunk): frozenset(
+                    self.layout.slots[slot].bucket
+                    for slot, param in enumerate(self.params)
+                    if chunk in self._chunks_of.get(id(param), ())
+                    and (id(param) in deferred) == (op is Op.WEIGHT)
+                )
+                for op in (Op.BACKWARD, Op.WEIGHT)
+                for chunk in range(self.chunks)
+            }
         self._backward_at = (Op.BACKWARD, 0)
         self.data_iterator: Iterator | None = None
         self.last_stats: dict | None = None  # the last train_batch's measurements
@@ -251,7 +253,7 @@ class PipelineEngine(ZerolapEngine):
         cutting the buckets small."""
         if not self._reduces_apart():
             return params
-        deferred = {id(p) for layer in self._deferred_layers() for p in layer.parameters()}
+        deferred = self._deferred_ids
         return [p for p in params if id(p) not in deferred] + [
             p for p in params if id(p) in deferred
         ]
@@ -260,15 +262,20 @@ class PipelineEngine(ZerolapEngine):
         """A tied weight's bucket holds it alone; when backwards reduce apart, a bucket holds
         the parameters of one set of chunks, deferred by ZB-H1 or not."""
         tied = {id(p) for p in self._tied_params()}
-        apart = self._reduces_apart()
-        chunks_of = self._chunks_of_params() if apart else {}
-        layers = self._deferred_layers() if apart else []
-        deferred = {id(p) for layer in layers for p in layer.parameters()}
+        if not self._reduces_apart():
+            return [id(p) if id(p) in tied else None for p in self.params]
         return [
-            (chunks_of.get(id(p)), id(p) if id(p) in tied else None, id(p) in deferred)
+            (
+                self._chunks_of.get(id(p)),
+                id(p) if id(p) in tied else None,
+                id(p) in self._deferred_ids,
+            )
             for p in self.params
         ]
 
+    # Derived once from the module and the config, during the base engine's construction.
+
+    @functools.cached_property
     def _deferred_layers(self) -> list[nn.Linear]:
         """ZB-H1: the stage's trainable ``nn.Linear`` layers (tied ones excepted: their weight
         serves another layer too); none under other schedules."""
@@ -291,7 +298,12 @@ class PipelineEngine(ZerolapEngine):
         split = self.module.virtual_stages > 1 or self._config.pipeline.schedule == "zb-h1"
         return split and self.plan.reduce_every_micro_batch and self.world_size > 1
 
-    def _chunks_of_params(self) -> dict[int, frozenset[int]]:
+    @functools.cached_property
+    def _deferred_ids(self) -> frozenset[int]:
+        return frozenset(id(p) for layer in self._deferred_layers for p in layer.parameters())
+
+    @functools.cached_property
+    def _chunks_of(self) -> dict[int, frozenset[int]]:
         """Per parameter id, the chunks of this stage that use it."""
         chunks_of: dict[int, set[int]] = {}
         for chunk in range(self.module.virtual_stages):
@@ -300,7 +312,7 @@ class PipelineEngine(ZerolapEngine):
         return {key: frozenset(value) for key, value in chunks_of.items()}
 
     def _reduce_scope(self) -> frozenset[int] | None:
-        return self._scopes[self._backward_at] if self._reduces_apart() else None
+        return None if self._scopes is None else self._scopes[self._backward_at]
 
     def _broadcast_initial_state(self) -> None:
         """Every stage's copy of a tied weight starts as the copy on the stage of the tie's
@@ -611,12 +623,6 @@ class PipelineEngine(ZerolapEngine):
         end = time.perf_counter()
         batch.compute_s += end - start
         batch.spans.append(("weight", mb, start, end))
-
-    def destroy(self) -> None:
-        if self._deferred is not None:
-            self._deferred.remove()
-            self._deferred = None
-        super().destroy()
 
     def _reduce_tied_grads(self) -> None:
         """A tied weight's gradient is the sum of its stages' (each already averaged over its

@@ -21,6 +21,7 @@ each deferred parameter: more than its layer's calls is a use elsewhere, named b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,7 +73,9 @@ class DeferredWeights:
         self._calls: dict[object, list[_Call]] = {}  # per micro-batch key
         self._leaves: dict[object, list[torch.Tensor]] = {}  # inputs made leaves, per key
         self._key = None  # the micro-batch whose training forward is running
-        self.held_bytes = self.peak_bytes = 0  # of inputs and output gradients kept
+        # Told of each tensor kept for a weight step (True) and let go (False): what a
+        # profiler counts as memory held (``benchmarks/pipe_bench.py``).
+        self.observer: Callable[[torch.Tensor, bool], None] | None = None
         self._checked = False
         self._hooks = []
         for layer in layers:
@@ -113,20 +116,26 @@ class DeferredWeights:
         # input-gradient pass gives it, which must not live on until the weight step.
         call = _Call(layer, _input(args, kwargs).detach())
         self._calls[self._key].append(call)
-        self._hold(call.x)
+        self._notify(call.x, True)
 
         def keep(grad: torch.Tensor) -> None:
             if call.grad is None:
-                self._hold(grad)
+                self._notify(grad, True)
                 call.grad = grad
             else:
                 call.grad = call.grad + grad
 
         output.register_hook(keep)
 
-    def _hold(self, tensor: torch.Tensor, sign: int = 1) -> None:
-        self.held_bytes += sign * tensor.numel() * tensor.element_size()
-        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+    def _notify(self, tensor: torch.Tensor, kept: bool) -> None:
+        if self.observer is not None:
+            self.observer(tensor, kept)
+
+    def _let_go(self, calls: list[_Call]) -> None:
+        for call in calls:
+            self._notify(call.x, False)
+            if call.grad is not None:
+                self._notify(call.grad, False)
 
     # -- backward -----------------------------------------------------------------------------
 
@@ -157,17 +166,15 @@ class DeferredWeights:
             # Computed inside autograd's backward, so that the accumulation owns each gradient
             # and takes it as it is (a gradient held from Python would be copied).
             torch.autograd.backward(roots, [torch.ones(())] * len(roots))
-        for call in calls:
-            self._hold(call.x, -1)
-            if call.grad is not None:
-                self._hold(call.grad, -1)
+        self._let_go(calls)
 
     def drop(self) -> None:
         """Forget every micro-batch (a train_batch that raised)."""
+        for calls in self._calls.values():
+            self._let_go(calls)
         self._calls.clear()
         self._leaves.clear()
         self._key = None
-        self.held_bytes = 0
 
     def remove(self) -> None:
         for hook in self._hooks:

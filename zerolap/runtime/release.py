@@ -39,6 +39,9 @@ class Attachments:
     fetcher: object | None
     param_store: object | None
     forward_waits: object | None  # stages 1-2: the hooks that wait for parameter gathers
+    # Other parts holding hooks on the model (a pipeline's deferred weight gradients), each
+    # with ``remove()``; a subclass engine adds its own after construction.
+    hooks: list = dataclasses.field(default_factory=list)
 
     def release(self, *, gather: bool) -> None:
         """Take every hook and reference off the model and free the engine's buffers.
@@ -52,6 +55,9 @@ class Attachments:
             self.reducer.remove_hooks()
         if self.forward_waits is not None:
             self.forward_waits.remove()
+        for owner in self.hooks:
+            owner.remove()
+        self.hooks = []
         if self.fetcher is not None:
             self.fetcher.remove_hooks()
             self.fetcher.unwatch()

@@ -84,7 +84,9 @@ class GradReducer:
     def begin_backward(self, reduce: bool, scope: frozenset[int] | None = None) -> None:
         """``scope``: the indices of the buckets a reducing backward reduces (None: all)."""
         self.reducing = reduce
-        self._order = [b for b in self.buckets if scope is None or b.index in scope]
+        self._order = (
+            self.buckets if scope is None else [b for b in self.buckets if b.index in scope]
+        )
         self._scope = scope
         self._next_launch = 0
         for bucket in self.buckets:
