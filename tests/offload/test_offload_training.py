@@ -80,6 +80,19 @@ def _mine(directory: str) -> list[str]:
     return [n for n in os.listdir(directory) if f"rank{dist.get_rank()}-" in n]
 
 
+def differences(name: str, got, want) -> list[str]:
+    """What differs between two runs' (parameters, optimizer state), which must be equal bit
+    for bit."""
+    out = []
+    if not all(torch.equal(g, w) for g, w in zip(got[0], want[0], strict=True)):
+        out.append(f"{name}: parameters differ by {_close(got[0], want[0])}")
+    for k, entry in want[1].items():
+        for key, value in entry.items():
+            if not torch.equal(torch.as_tensor(got[1][k][key]), torch.as_tensor(value)):
+                out.append(f"{name}: state {k}.{key} differs")
+    return out
+
+
 VARIANTS = [
     # (stage, dtype, offload_optimizer extras, offload_param at stage 3)
     (1, None, {}, False),
@@ -104,12 +117,7 @@ def check_parity(directory: str) -> list[str]:
             param = {"device": "nvme", "nvme_path": directory, "max_in_cpu": 0, "buffer_count": 2}
         got, got_state, memory, hits = _run(_config(stage, dtype=dtype, opt=opt, param=param))
         name = f"stage {stage} {dtype or 'fp32'} {extra} param={with_param}"
-        if not all(torch.equal(g, w) for g, w in zip(got, want, strict=True)):
-            failures.append(f"{name}: parameters differ")
-        for k, entry in want_state.items():
-            for key, value in entry.items():
-                if not torch.equal(torch.as_tensor(got_state[k][key]), torch.as_tensor(value)):
-                    failures.append(f"{name}: state {k}.{key} differs")
+        failures += differences(name, (got, got_state), (want, want_state))
         if _mine(directory):
             failures.append(f"{name}: swap files left: {_mine(directory)}")
         # What left memory is on disk: resident + swapped covers the in-memory run's state.
@@ -142,9 +150,23 @@ def save_and_continue(directory: str, ckpt: str, offload: bool) -> list[torch.Te
     engine, *_ = zerolap.initialize(
         model=make_model(), config=_config(3, opt=opt, param=param, sub_group=50)
     )
+    return two_saved_then_one(engine, ckpt)
+
+
+def two_saved_then_one(engine, ckpt: str) -> list[torch.Tensor]:
+    """2 steps, saved as tag "two", a third step: the parameters (the engine is destroyed)."""
     _train(engine, range(2))
     engine.save_checkpoint(ckpt, tag="two")
     _train(engine, range(2, 3))
+    out = _params(engine)
+    engine.destroy()
+    return out
+
+
+def third_step_from(engine, ckpt: str, micro: int) -> list[torch.Tensor]:
+    """Tag "two" loaded, the third step taken: the parameters (the engine is destroyed)."""
+    engine.load_checkpoint(ckpt, tag="two")
+    _train(engine, range(2, 3), micro=micro)
     out = _params(engine)
     engine.destroy()
     return out
@@ -159,11 +181,7 @@ def resume(directory: str, ckpt: str, stage: int, offload: bool) -> list[torch.T
     param = {"device": "nvme", "nvme_path": directory, "max_in_cpu": 0} if offload else None
     config = _config(stage, opt=opt, param=param if stage == 3 else None, micro=micro)
     engine, *_ = zerolap.initialize(model=make_model(seed=5), config=config)
-    engine.load_checkpoint(ckpt, tag="two")
-    _train(engine, range(2, 3), micro=micro)
-    out = _params(engine)
-    engine.destroy()
-    return out
+    return third_step_from(engine, ckpt, micro)
 
 
 def _close(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

@@ -508,10 +508,11 @@ def _load_params(engine, params: SavedParams, names: list[str]) -> None:
 
 
 def _load_master(engine, params: SavedParams, names: list[str]) -> None:
-    """16-bit training: the fp32 master weights from the saved fp32 values, or with
-    ``load_from_fp32_weights: false`` from the loaded 16-bit parameters (losing precision)."""
+    """16-bit training (or an optimizer offloaded from an accelerator): the fp32 master weights
+    from the saved fp32 values, or with ``load_from_fp32_weights: false`` from the loaded 16-bit
+    parameters (losing precision)."""
     optimizer = engine.optimizer
-    if optimizer is None or not optimizer.mixed:
+    if optimizer is None or not any(optimizer.apart):
         return
     if not engine._config.zero_optimization.load_from_fp32_weights:
         optimizer.reload_master()

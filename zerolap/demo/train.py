@@ -215,6 +215,11 @@ def _print_report(summary: dict, paths, stage: int, world: int, layout: str) -> 
                 f"          swapped to disk {m['swapped_bytes'] / 2**20:7.2f} MiB (not resident), "
                 f"through swap buffers of {m['swap_buffer_bytes'] / 2**20:.2f} MiB"
             )
+        if m["host_bytes"]:
+            print(
+                f"          offloaded to host memory {m['host_bytes'] / 2**20:7.2f} MiB "
+                "(master, optimizer state, gradient copies; not on the device)"
+            )
     if world > 1:
         ratio = summary["wire_bytes_per_step"] / summary["wire_theory_bytes"]
         print(

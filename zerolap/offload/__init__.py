@@ -6,6 +6,8 @@ memory (``device: cpu``) or in swap files on disk (``device: nvme``).
 * ``optimizer_swap``: swapped sub-groups of optimizer state streamed through a few buffers, one
   I/O lane each.
 * ``swapped_runs``: the optimizer's swapped tier, which steps them one sub-group at a time.
+* ``host``: on an accelerator, the optimizer's offloaded runs stepped in host memory, their
+  gradients copied down during backward and their parameters copied back up.
 * ``param_swap``: stage 3's parameter chunks on disk, cached in a few buffers.
 
 ``plan_offload`` reads the two ds_config blocks once, checks what they ask of this machine, and
@@ -22,15 +24,18 @@ import torch
 
 from zerolap.config import ConfigError
 from zerolap.config.zero import ZeroConfig
+from zerolap.offload.host import HostPlan
 from zerolap.offload.param_swap import ParamSwapPlan
 from zerolap.offload.swapped_runs import SwapPlan
 
-__all__ = ["OffloadPlan", "plan_offload"]
+__all__ = ["HostPlan", "OffloadPlan", "apart_from_host", "plan_offload"]
 
 
 @dataclass
 class OffloadPlan:
     optimizer: SwapPlan | None = None  # offload_optimizer: nvme
+    host: HostPlan | None = None  # offload_optimizer on an accelerator: the step on the host
+    param_host: HostPlan | None = None  # offload_param cpu on an accelerator: stage 3's shard
     params: ParamSwapPlan | None = None  # offload_param: nvme (stage 3)
     notes: list[str] = field(default_factory=list)  # what the blocks do here, logged once
 
@@ -55,23 +60,30 @@ def plan_offload(zero: ZeroConfig, *, device: torch.device, rank: int) -> Offloa
     return plan
 
 
-def _on_host(block, key: str, device: torch.device) -> bool:
-    """Whether ``block`` offloads anything; offload from an accelerator is not built yet."""
-    if block is None or not block.enabled:
-        return False
-    if device.type != "cpu":
-        raise NotImplementedError(
-            f"{key}.device={block.device!r} on {device.type}: zerolap offloads from CPU-only "
-            "hosts so far (the host side of accelerator offload is not implemented)"
-        )
-    return True
+def apart_from_host(device: torch.device) -> bool:
+    """Whether host memory is apart from where training runs (an accelerator), so that
+    offloaded state must be copied in between. On a CPU-only host it is not: the state already
+    is in host memory. (Tests make it true on CPU to run the accelerator's data path there, its
+    copies then being host-to-host.)"""
+    return device.type != "cpu"
 
 
 def _plan_optimizer(plan: OffloadPlan, zero: ZeroConfig, device: torch.device, rank: int) -> None:
     opt, key = zero.offload_optimizer, "zero_optimization.offload_optimizer"
-    if not _on_host(opt, key, device):
+    if opt is None or not opt.enabled:
         return
-    if opt.device == "cpu":
+    if apart_from_host(device):
+        pin = opt.pin_memory and device.type == "cuda"  # page-locked memory is CUDA's
+        plan.host = HostPlan(device=device, ratio=opt.ratio, pin=pin)
+        if opt.device == "cpu":
+            plan.notes.append(
+                f"{key}.device 'cpu': {opt.ratio:.0%} of the optimizer's elements (whole "
+                f"sub-groups of {zero.sub_group_size}) have their fp32 master, state and step in "
+                f"host memory{' (pinned)' if plan.host.pin else ''}; their gradients are "
+                "copied to the host during backward and their parameters back after each step"
+            )
+            return
+    elif opt.device == "cpu":
         plan.notes.append(
             f"{key}.device 'cpu': the optimizer state and step already live in host memory on "
             "this CPU-only host; nothing moves (pin_memory needs an accelerator)"
@@ -85,7 +97,7 @@ def _plan_optimizer(plan: OffloadPlan, zero: ZeroConfig, device: torch.device, r
         buffer_count=opt.buffer_count,
         pipeline_read=opt.pipeline_read,
         pipeline_write=opt.pipeline_write,
-        pin=False,  # nothing to copy to an accelerator from
+        pin=plan.host is not None and plan.host.pin,
     )
     plan.notes.append(
         f"{key}.device 'nvme': {opt.ratio:.0%} of the optimizer state (and of the fp32 master "
@@ -96,7 +108,16 @@ def _plan_optimizer(plan: OffloadPlan, zero: ZeroConfig, device: torch.device, r
 
 def _plan_params(plan: OffloadPlan, zero: ZeroConfig, device: torch.device, rank: int) -> None:
     prm, key = zero.offload_param, "zero_optimization.offload_param"
-    if not _on_host(prm, key, device):
+    if prm is None or not prm.enabled:
+        return
+    if prm.device == "cpu" and apart_from_host(device):
+        pin = prm.pin_memory and device.type == "cuda"
+        plan.param_host = HostPlan(device=device, ratio=1.0, pin=pin)
+        plan.notes.append(
+            f"{key}.device 'cpu': this rank's shard of the parameters lives in host memory"
+            f"{' (pinned)' if pin else ''}; each gather copies its chunk up first, and the step "
+            "writes the updated chunk back down"
+        )
         return
     if prm.device == "cpu":
         plan.notes.append(

@@ -23,7 +23,7 @@ import torch
 
 from zerolap.offload.optimizer_swap import Field, OpenSubGroup, SwappedState
 from zerolap.offload.swap_file import SwapError, swap_path
-from zerolap.zero.sub_groups import SubGroup
+from zerolap.zero.sub_groups import SubGroup, last_share
 
 __all__ = ["SwapPlan", "SwappedRuns", "probe_fields"]
 
@@ -72,20 +72,12 @@ class SwapPlan:
         self.pin = pin
 
     def choose(self, sub_groups: list[SubGroup]) -> list[SubGroup]:
-        """The sub-groups to swap: the last ones, holding ``ratio`` of the elements (the first
-        stay in memory and step while the swapped ones are read)."""
-        total = sum(sg.numel for sg in sub_groups)
-        resident, kept = 0, 0
-        for sg in sub_groups:
-            if resident + sg.numel > (1.0 - self.ratio) * total:
-                break
-            resident += sg.numel
-            kept += 1
-        return sub_groups[kept:]
+        """The sub-groups to swap: the last ones, holding ``ratio`` of the elements."""
+        return last_share(sub_groups, self.ratio)
 
     def build(self, optimizer, swapped: list[SubGroup]) -> SwappedRuns:
-        fields = probe_fields(optimizer.inner, optimizer.store.device)
-        if optimizer.mixed:
+        fields = probe_fields(optimizer.inner, optimizer.state_device)
+        if optimizer.swap_master:
             fields = [Field("master", torch.float32), *fields]
         state = SwappedState(
             path=swap_path(self.directory, self.rank, "optimizer"),
@@ -104,12 +96,13 @@ class SwappedRuns:
     def __init__(self, optimizer, sub_groups: list[SubGroup], state: SwappedState) -> None:
         self.views = optimizer.views
         self.inner = optimizer.inner
-        self.mixed = optimizer.mixed
+        self.mixed = optimizer.swap_master  # its values are the master field's
+        self.on_host = optimizer.host is not None  # apart from the accelerator that trains
         self.sub_groups = sub_groups
         self.state = state
         self.names: dict[int, tuple[str, ...]] = {}  # run -> its per-element state fields
         self.scalars: dict[int, dict] = {}  # run -> its other state entries (kept in memory)
-        self._detached = torch.empty(0, dtype=torch.float32, device=optimizer.store.device)
+        self._detached = torch.empty(0, dtype=torch.float32, device=optimizer.state_device)
 
     # -- the step -----------------------------------------------------------------------------
 

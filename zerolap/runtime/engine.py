@@ -196,6 +196,8 @@ class ZerolapEngine(torch.nn.Module):
         self._param_access = None
         if trains:
             self.optimizer = self._build_optimizer(make_optimizer(self.params))
+            if self.optimizer.host_grads is not None:
+                self.reducer.on_delivered.append(self.optimizer.delivered)
             if self.plan.shard_params:
                 self.param_store.after_write_back.append(self.optimizer.reload_master)
             self.lr_scheduler = make_scheduler(self.optimizer.inner)
@@ -327,6 +329,7 @@ class ZerolapEngine(torch.nn.Module):
                 src_rank=self._src_rank(),
                 native=native,
                 swap=self.offload.params,
+                host=self.offload.param_host,
                 unit_names=self.units.names,
             )
             return
@@ -441,6 +444,7 @@ class ZerolapEngine(torch.nn.Module):
             check_finite=self._config.precision != "bf16" or self._config.bf16.check_grad_overflow,
             sub_group_size=self._config.zero_optimization.sub_group_size,
             swap=self.offload.optimizer,
+            host=self.offload.host,
             model_group=self.mesh.model_group,
             counted=counted_in_norm(self.params, self.mesh, copies=self._tied_copies()),
         )

@@ -14,6 +14,11 @@ the swap files hold (optimizer state and master values, stage-3 parameter shards
 buffers it streams through are ``swap_buffer_bytes``. ``total_bytes`` counts what stays
 resident, so ``total_bytes + swapped_bytes`` is the formula's figure (up to the files' 4 KiB
 alignment), and the formula is unchanged by offload.
+
+On an accelerator, ``offload_optimizer`` moves the offloaded runs' fp32 master values and
+optimizer state to host memory, where their gradients are copied too, and ``offload_param``
+moves stage 3's parameter shard there: ``host_bytes``, not in ``total_bytes`` (what the device
+holds).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class MemoryBreakdown:
     param_buffer_bytes: int  # stage 3: pooled memory of released units, for the next gathers
     swap_buffer_bytes: int  # offload to nvme: the buffers swapped state streams through
     swapped_bytes: int  # offload to nvme: model state held in swap files, not in memory
+    host_bytes: int  # offload from an accelerator: master, state, gradient copies on the host
     expected_bytes: float  # zerolap's formula for this stage and precision (see module doc)
     zero_formula_bytes: float  # the ZeRO / DeepSpeed formula, with an fp32 master copy
 
@@ -86,6 +92,8 @@ def measure_memory(engine) -> MemoryBreakdown:
         + (store.swap_buffer_bytes() if store is not None else 0),
         swapped_bytes=(optimizer.swapped_bytes() if optimizer is not None else 0)
         + (store.swapped_bytes() if store is not None else 0),
+        host_bytes=(optimizer.host_bytes() if optimizer is not None else 0)
+        + (store.host_bytes() if store is not None else 0),
         expected_bytes=formula(master=4 if mixed else 0),
         zero_formula_bytes=formula(master=4 if (mixed or stage > 0) else 0),
     )

@@ -33,6 +33,7 @@ class _NeverLaunched:
 
 class FlatParams:
     swap = None  # parameters are never swapped below stage 3
+    host = None  # nor kept in host memory apart from an accelerator
 
     def __init__(
         self,
@@ -140,6 +141,9 @@ class FlatParams:
 
     def buffer_bytes(self) -> int:
         return 0  # nothing beyond the flat buffer itself
+
+    def host_bytes(self) -> int:
+        return 0
 
     def swap_buffer_bytes(self) -> int:
         return 0  # stages 0-2 keep parameters in memory

@@ -10,7 +10,10 @@ Runs are grouped into sub-groups of at most ``sub_group_size`` elements (``zero.
 and each sub-group belongs to one *tier*: ``ResidentRuns`` keep their values and state in
 memory; with ``offload_optimizer: {device: nvme}`` the last sub-groups are ``SwappedRuns``
 (``zerolap.offload``), whose state and fp32 master values are read in, stepped and written back
-one sub-group at a time. Everything that reads or writes the per-run values and state from
+one sub-group at a time. On an accelerator, ``offload_optimizer`` (``cpu``, or ``nvme``) moves
+the last sub-groups' master values, state and step to the host (``offload.host``): their
+gradients are copied down as their buckets are reduced, and their parameters copied back up as
+they step. Everything that reads or writes the per-run values and state from
 outside the step (checkpoints, state dicts, ``safe_get_full_*``) goes through ``visit_runs``,
 which does the same for the swapped ones.
 
@@ -50,12 +53,16 @@ def slot_groups(optimizer: torch.optim.Optimizer, params: list[torch.nn.Paramete
 
 class ResidentRuns:
     """Runs whose values and optimizer state stay in memory: their views are permanent and
-    their state lives in the inner optimizer's ``state``."""
+    their state lives in the inner optimizer's ``state``. ``on_host``: in host memory, apart
+    from the accelerator that trains (``offload_optimizer`` there)."""
 
-    def __init__(self, indices: list[int], views: list[torch.Tensor], inner) -> None:
+    def __init__(
+        self, indices: list[int], views: list[torch.Tensor], inner, *, on_host: bool = False
+    ) -> None:
         self.indices = indices
         self.views = views
         self.inner = inner
+        self.on_host = on_host
 
     def prefetch(self) -> None:
         """Nothing to bring in."""
@@ -115,6 +122,7 @@ class ZeroOptimizer:
         check_finite: bool = True,
         sub_group_size: int = 1_000_000_000,
         swap=None,
+        host=None,
         model_group=None,
         counted: list[bool] | None = None,
     ) -> None:
@@ -144,10 +152,7 @@ class ZeroOptimizer:
         runs = [r for r in layout.runs(owned_ranges, groups, counted) if r.group >= 0]
         positions = [to_shard(r.bucket, r.start) for r in runs]
         self.runs, self.positions, self.sub_groups = split_runs(runs, positions, sub_group_size)
-        # Mixed precision steps on an fp32 master copy; fp32 parameters are their own master,
-        # unless they are swapped to disk (offload_param nvme): then a master keeps the
-        # optimizer off the swap's few buffers, and the chunks are written once per step.
-        self.mixed = self.store.dtype != torch.float32 or self.store.swap is not None
+        self.mixed = self.store.dtype != torch.float32  # gradients are stepped as fp32 copies
         # What each run's squares count for in the global norm on this rank.
         self._count_all = all(r.counted for r in self.runs)
         self._norm_weights = torch.tensor(
@@ -155,19 +160,45 @@ class ZeroOptimizer:
             dtype=torch.float64,
             device=self.store.device,
         )
-        # ``swap`` (offload_optimizer: nvme) decides which sub-groups live on disk; the rest
-        # stay in memory, their master values (if any) in one tensor.
+        # ``swap`` (offload_optimizer: nvme) decides which sub-groups live on disk; ``host``
+        # (on an accelerator) moves the offloaded ones, or with ``cpu`` the last ``ratio`` of
+        # them, to host memory. The rest stay where training runs, their master values (if
+        # any) in one tensor.
         swapped = swap.choose(self.sub_groups) if swap is not None else []
+        moved = swapped if swap is not None or host is None else host.choose(self.sub_groups)
+        self.host = host
+        self.state_device = host.host if host is not None else self.store.device
         taken = {i for sg in swapped for i in sg.runs}
-        resident = [i for i in range(len(self.runs)) if i not in taken]
-        self.master = self._make_master(resident, shard_numel if not swapped else None)
+        on_host = [i for sg in moved for i in sg.runs] if host is not None else []
+        resident = [i for i in range(len(self.runs)) if i not in taken and i not in on_host]
+        # A run steps the parameters' own elements when they are fp32, in memory and where
+        # the run steps; otherwise (mixed precision; parameters swapped to disk by
+        # offload_param nvme, or on the other side of an accelerator from the step) it steps
+        # fp32 master values, copied into the parameters after each step.
+        own = self.store.dtype == torch.float32 and self.store.swap is None
+        params_on_host = self.store.host is not None
+        self.apart = [not own or (i in on_host) != params_on_host for i in range(len(self.runs))]
+        self.master = self._make_master(resident, shard_numel if not moved else None)
+        # Swapped sub-groups then keep the master values in their file.
+        self.swap_master = any(self.apart[i] for i in taken)
+        stepped_on_host = [i for i in on_host if i not in taken]
+        self.host_master = self._make_host_master([i for i in stepped_on_host if self.apart[i]])
         self.views = [self._value_view(i, i in taken) for i in range(len(self.runs))]
+        self.host_grads = None
+        if on_host:
+            self.host_grads = host.gradients(
+                [(i, self.runs[i].bucket) for i in on_host],
+                self._device_grad,
+                grads.view(0, 0, 0).dtype,
+            )
         for g, group_dict in enumerate(inner.param_groups):
             group_dict["params"] = [
                 v for v, r in zip(self.views, self.runs, strict=True) if r.group == g
             ]
         inner.state.clear()
         self.tiers = [ResidentRuns(resident, self.views, inner)]
+        if stepped_on_host:
+            self.tiers.append(ResidentRuns(stepped_on_host, self.views, inner, on_host=True))
         if swapped:
             self.tiers.append(swap.build(self, swapped))
         self.reload_master()
@@ -183,25 +214,40 @@ class ZeroOptimizer:
         self.parameter_offload = None
 
     def _make_master(self, resident: list[int], numel: int | None) -> torch.Tensor | None:
-        """Mixed precision: the fp32 master values of the resident runs, at their shard
-        positions: the whole shard (``numel``), or with swapping the prefix the resident
-        sub-groups (the first ones) span."""
-        if not self.mixed:
+        """The fp32 master values of the resident runs that step apart from the parameters,
+        at their shard positions: the whole shard (``numel``), or with offloading the prefix
+        the resident sub-groups (the first ones) span."""
+        if not any(self.apart[i] for i in resident):
             return None
         if numel is None:
             ends = [self.positions[i] + self.runs[i].end - self.runs[i].start for i in resident]
             numel = max(ends, default=0)
         return torch.zeros(numel, dtype=torch.float32, device=self.store.device)
 
+    def _make_host_master(self, runs: list[int]) -> torch.Tensor | None:
+        """The fp32 master values of the runs stepped in host memory (the last ones: a
+        suffix of the shard positions)."""
+        self._host_runs = set(runs)
+        if not runs:
+            return None
+        self._host_base = self.positions[runs[0]]
+        last = runs[-1]
+        end = self.positions[last] + self.runs[last].end - self.runs[last].start
+        return self.host.empty(end - self._host_base, torch.float32)
+
     def _value_view(self, i: int, swapped: bool) -> torch.Tensor:
         """What the inner optimizer steps for run ``i``: the parameters' own elements (fp32),
-        a slice of the master, or (swapped master) a tensor whose memory is attached only
-        while its sub-group is in a buffer."""
+        a slice of a master (on the device, or on the host), or (swapped master) a tensor
+        whose memory is attached only while its sub-group is in a buffer."""
         run, pos = self.runs[i], self.positions[i]
-        if not self.mixed:
+        if not self.apart[i]:
             return self.store.owned_view(run, pos)
         if swapped:
-            return torch.empty(0, dtype=torch.float32, device=self.store.device)
+            return torch.empty(0, dtype=torch.float32, device=self.state_device)
+        if self.host_master is not None and i in self._host_runs:
+            return self.host_master[
+                pos - self._host_base : pos - self._host_base + run.end - run.start
+            ]
         return self.master[pos : pos + run.end - run.start]
 
     def param_elements(self, i: int) -> torch.Tensor:
@@ -221,17 +267,26 @@ class ZeroOptimizer:
 
     def reload_master(self) -> None:
         """Master weights := the current (16-bit) parameters, after they were replaced."""
-        if not self.mixed:
+        apart = {i for i, a in enumerate(self.apart) if a}
+        if not apart:
             return
         with torch.no_grad():
-            for i, values, _ in self.visit_runs(write=True):
+            for i, values, _ in self.visit_runs(write=True, only=apart):
                 values.copy_(self.param_elements(i))
 
     def prefetch(self) -> None:
         """Start bringing swapped state in for the next step (it does not depend on the
-        gradients, so the engine calls this as the step's last backward begins)."""
+        gradients, so the engine calls this as the step's last backward begins); offloaded
+        gradients are copied to the host as that backward delivers them."""
         for tier in self.tiers:
             tier.prefetch()
+        if self.host_grads is not None:
+            self.host_grads.arm()
+
+    def delivered(self, bucket: int) -> None:
+        """The reducer delivered ``bucket``'s reduced gradients (offloaded runs copy them)."""
+        if self.host_grads is not None:
+            self.host_grads.delivered(bucket)
 
     @property
     def param_groups(self):
@@ -241,12 +296,17 @@ class ZeroOptimizer:
     def state(self):
         return self.inner.state
 
+    def _device_grad(self, i: int) -> torch.Tensor:
+        return self.grads.view(self.runs[i].start, self.runs[i].end, self.positions[i])
+
     def _owned_grads(self) -> list[torch.Tensor]:
-        grads = [
-            self.grads.view(r.start, r.end, pos)
-            for r, pos in zip(self.runs, self.positions, strict=True)
-        ]
-        return [g.float() for g in grads] if self.mixed else grads
+        """Every run's gradient where training runs: as fp32 under mixed precision, except the
+        offloaded runs' (read by the norm as they are, stepped from their host copies)."""
+        moved = self.host_grads.offsets if self.host_grads is not None else ()
+        grads = [self._device_grad(i) for i in range(len(self.runs))]
+        if not self.mixed:
+            return grads
+        return [g if i in moved else g.float() for i, g in enumerate(grads)]
 
     def _agree(self, value: torch.Tensor, op: str) -> float:
         """``value`` combined over the ranks that share the optimizer and, under tensor
@@ -287,8 +347,12 @@ class ZeroOptimizer:
         divisor = scale
         if self.clip > 0 and norm is not None and norm + 1e-6 > self.clip:
             divisor *= (norm + 1e-6) / self.clip
+        if self.host_grads is not None:
+            for i, host_grad in self.host_grads.take().items():
+                grads[i] = host_grad
         if divisor != 1.0:
-            torch._foreach_div_(grads, divisor)
+            for device in {g.device for g in grads}:  # one pass per device (host copies apart)
+                torch._foreach_div_([g for g in grads if g.device == device], divisor)
         for tier in self.tiers:
             tier.step(lambda indices: self._step_runs(indices, grads))
         self.loss_scaler.update_scale(False)
@@ -312,9 +376,9 @@ class ZeroOptimizer:
         self.inner.step()
         for i in indices:
             self.views[i].grad = None
-        if self.mixed:
-            for i in indices:
-                self.param_elements(i).copy_(self.views[i])
+        for i in indices:
+            if self.apart[i]:  # from pinned host memory: runs while the next ones step
+                self.param_elements(i).copy_(self.views[i], non_blocking=True)
 
     def _global_norm(self, grads: list[torch.Tensor], scale: float) -> float:
         """One fused pass over the runs; squares summed in float64 across runs and ranks. A
@@ -337,11 +401,12 @@ class ZeroOptimizer:
 
     def copy_master_to_params(self, only: set[int] | None = None) -> None:
         """Mixed precision: the owned 16-bit parameter elements (of runs ``only``, or all) :=
-        the fp32 master's."""
-        if not self.mixed:
+        the fp32 master's (and offloaded runs' elements := their host values)."""
+        apart = {i for i, a in enumerate(self.apart) if a and (only is None or i in only)}
+        if not apart:
             return
         with torch.no_grad():
-            for i, values, _ in self.visit_runs(only=only):
+            for i, values, _ in self.visit_runs(only=apart):
                 self.param_elements(i).copy_(values)
 
     def publish(self) -> None:
@@ -395,8 +460,19 @@ class ZeroOptimizer:
         """Gradients live in the engine's buffers and are cleared at each accumulation cycle."""
 
     def state_bytes(self) -> int:
-        """Optimizer state held in memory (swapped sub-groups: their buffers)."""
-        return sum(tier.state_bytes() for tier in self.tiers)
+        """Optimizer state held in memory where training runs (swapped sub-groups: their
+        buffers; the host's share is ``host_bytes``)."""
+        return sum(tier.state_bytes() for tier in self.tiers if not tier.on_host)
+
+    def host_bytes(self) -> int:
+        """On an accelerator with ``offload_optimizer``: the master values, optimizer state and
+        gradient copies held in host memory (swap buffers are counted apart)."""
+        held = sum(tier.state_bytes() for tier in self.tiers if tier.on_host)
+        if self.host_master is not None:
+            held += self.host_master.numel() * self.host_master.element_size()
+        if self.host_grads is not None:
+            held += self.host_grads.nbytes()
+        return held
 
     def master_bytes(self) -> int:
         """fp32 master values held in memory (none for fp32 parameters)."""

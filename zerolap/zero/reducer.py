@@ -22,6 +22,7 @@ Without ``overlap_comm`` phase 2 only records readiness and every launch happens
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -62,6 +63,9 @@ class GradReducer:
         self._scope: frozenset[int] | None = None
         self._next_launch = 0  # position in _order: buckets launch strictly in index order
         self.last_timing: BackwardTiming | None = None  # of the last reducing backward
+        # Told each bucket index as its reduction lands in the storage (offloaded gradients
+        # are copied to the host from there while backward goes on).
+        self.on_delivered: list[Callable[[int], None]] = []
         self._got_grad = [False] * len(params)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(slot))
@@ -144,6 +148,8 @@ class GradReducer:
         self.storage.deliver(bucket, reduced, start, end)
         bucket.handle = bucket.finalize = None
         bucket.move(BucketState.REDUCED)
+        for listener in self.on_delivered:
+            listener(bucket.index)
 
     def finish_backward(self) -> list[torch.nn.Parameter]:
         """Wait for every reduction of this backward; when it reduced (the end of an

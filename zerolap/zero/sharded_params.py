@@ -108,6 +108,7 @@ class ShardedParams:
         src_rank: int,
         native: bool,
         swap=None,
+        host=None,
         unit_names: list[str] | None = None,
     ) -> None:
         self.params = params  # in layout slot order
@@ -125,7 +126,13 @@ class ShardedParams:
             if self.swap is None or bucket.index not in self.swap:
                 self._resident_at[bucket.index] = numel
                 numel += bucket.chunk_numel
-        self.shard = torch.zeros(numel, dtype=dtype, device=device)
+        # offload_param cpu from an accelerator: the shard lives in (pinned) host memory and
+        # each gather copies this rank's chunk up first.
+        self.host = host
+        if host is not None:
+            self.shard = host.empty(numel, dtype)
+        else:
+            self.shard = torch.zeros(numel, dtype=dtype, device=device)
         self.numel = [b.numel for b in layout.buckets]  # elements of each unit, padding included
         self._pool = _BufferPool(device)
         self.full = [self._unallocated(b.numel) for b in layout.buckets]
@@ -260,7 +267,7 @@ class ShardedParams:
             except BaseException:
                 unpin()  # refused before it was queued: copy_in will never run
                 raise
-        own.copy_(self._chunk_of(unit))
+        own.copy_(self._chunk_of(unit), non_blocking=True)  # ordered before the collective
         return all_gather_bucket(full, bucket, rank=self.rank, group=self.group, native=self.native)
 
     def launch(self, unit: int) -> None:
@@ -416,9 +423,14 @@ class ShardedParams:
         return self._live_numel
 
     def nbytes(self) -> int:
-        """Parameter memory: the shard and every unit's full buffer while it has one."""
-        shard = self.shard.numel() * self.itemsize
+        """Parameter memory where training runs: the shard (unless it is on the host) and
+        every unit's full buffer while it has one."""
+        shard = self.shard.numel() * self.itemsize if self.host is None else 0
         return shard + sum(f.untyped_storage().nbytes() for f in self.full)
+
+    def host_bytes(self) -> int:
+        """offload_param cpu from an accelerator: the shard, in host memory."""
+        return self.shard.numel() * self.itemsize if self.host is not None else 0
 
     def buffer_bytes(self) -> int:
         """Pooled memory of released units, kept for the next gathers: not model state."""

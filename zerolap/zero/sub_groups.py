@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from zerolap.zero.layout import OwnedRun
 
-__all__ = ["SubGroup", "split_runs"]
+__all__ = ["SubGroup", "last_share", "split_runs"]
 
 
 @dataclass(frozen=True)
@@ -62,3 +62,17 @@ def split_runs(
         numel = sum(r.end - r.start for r in out_runs[lo:hi])
         sub_groups.append(SubGroup(index, range(lo, hi), numel))
     return out_runs, out_positions, sub_groups
+
+
+def last_share(sub_groups: list[SubGroup], ratio: float) -> list[SubGroup]:
+    """The last sub-groups, holding ``ratio`` of the elements in whole sub-groups (what
+    ``offload_optimizer.ratio`` moves off: the first ones stay and step while the moved ones
+    are brought in)."""
+    total = sum(sg.numel for sg in sub_groups)
+    kept_numel, kept = 0, 0
+    for sg in sub_groups:
+        if kept_numel + sg.numel > (1.0 - ratio) * total:
+            break
+        kept_numel += sg.numel
+        kept += 1
+    return sub_groups[kept:]

@@ -1,0 +1,175 @@
+"""Offload from an accelerator: ``offload_optimizer`` steps the offloaded runs' master values and
+state in host memory, their gradients copied down as their buckets are reduced and their
+parameters copied back up; ``offload_param`` keeps stage 3's shard in host memory, each gather
+copying its chunk up. No accelerator here, so the ranks make ``apart_from_host`` true and run
+that data path with host-to-host copies: the values must be those of the run without offload,
+bit for bit, and every gradient copy must have been made in the backward (none left for the
+step)."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+import zerolap
+import zerolap.comm as dist
+import zerolap.offload as offload
+from tests.logs import captured_logs
+from tests.offload.test_offload_training import (
+    MICRO,
+    _close,
+    _config,
+    _params,
+    _train,
+    differences,
+    third_step_from,
+    two_saved_then_one,
+)
+from tests.zero.models import make_model
+from zerolap.config.zero import ZeroConfig
+
+STEPS = 3
+
+
+@contextlib.contextmanager
+def apart():
+    """Engines built inside treat the CPU as an accelerator apart from the host (the pool's
+    processes serve other tests after, so the switch is put back)."""
+    saved = offload.apart_from_host
+    offload.apart_from_host = lambda device: True
+    try:
+        yield
+    finally:
+        offload.apart_from_host = saved
+
+
+def _run(config, host: bool):
+    with apart() if host else contextlib.nullcontext():
+        engine, optimizer, *_ = zerolap.initialize(model=make_model(), config=config)
+    _train(engine, range(STEPS))
+    copies = optimizer.host_grads
+    out = (
+        _params(engine),
+        optimizer.state_dict()["inner"]["state"],
+        engine.memory_breakdown(),
+        (copies.copies_in_backward, copies.copies_at_step) if copies is not None else None,
+    )
+    engine.destroy()
+    return out
+
+
+CPU = {"device": "cpu"}
+VARIANTS = [
+    # (stage, dtype, offload_optimizer, offload_param; blocks without nvme_path)
+    (1, None, CPU, None),
+    (2, None, CPU, None),
+    (3, None, CPU, None),
+    (2, None, {"device": "cpu", "ratio": 0.5}, None),
+    (1, "fp16", CPU, None),
+    (2, "bf16", CPU, None),
+    (3, "bf16", {"device": "cpu", "ratio": 0.6}, None),
+    (2, None, {"device": "nvme", "buffer_count": 2}, None),  # swapped, stepped on the host
+    (3, "bf16", {"device": "nvme", "buffer_count": 1}, None),
+    (3, None, CPU, CPU),  # fp32: the host steps the host shard itself
+    (3, "bf16", CPU, CPU),
+    (3, "bf16", None, CPU),  # the step on the device, writing into the host shard
+    (3, None, {"device": "cpu", "ratio": 0.5}, {"device": "nvme", "max_in_cpu": 0}),
+]
+
+
+def check_host_step(directory: str) -> list[str]:
+    failures = []
+    for stage, dtype, opt, param in VARIANTS:
+        name = f"stage {stage} {dtype or 'fp32'} optimizer {opt} param {param}"
+        want, want_state, plain, _ = _run(_config(stage, dtype=dtype), host=False)
+        opt, param = ({**b, "nvme_path": directory} if b else None for b in (opt, param))
+        config = _config(stage, dtype=dtype, opt=opt, param=param)
+        got, got_state, memory, copies = _run(config, host=True)
+        failures += differences(name, (got, got_state), (want, want_state))
+        if memory.host_bytes <= 0:
+            failures.append(f"{name}: nothing reported in host memory")
+        if param is not None and param["device"] == "cpu" and memory.params_bytes:
+            failures.append(f"{name}: the parameter shard is on the device: {memory}")
+        if opt is None:
+            continue
+        in_backward, at_step = copies
+        if in_backward == 0 or at_step != 0:
+            failures.append(f"{name}: {in_backward} copies in backward, {at_step} at the step")
+        if opt.get("ratio", 1.0) == 1.0:
+            # Nothing of the optimizer is left where training runs: no master, no state.
+            if memory.master_bytes or memory.optimizer_state_bytes > 64:
+                failures.append(f"{name}: still on the device: {memory}")
+        elif not 0 < memory.optimizer_state_bytes < plain.optimizer_state_bytes:
+            failures.append(f"{name}: a ratio moved {memory} of {plain}")
+    return failures
+
+
+def test_host_step_equals_the_device_step_bitwise(ranks, tmp_path):
+    failures = ranks(2).run(check_host_step, str(tmp_path), timeout=400)
+    assert failures == [[], []], failures
+
+
+# -- checkpoints --------------------------------------------------------------------------------
+
+
+def save_and_continue(ckpt: str, host: bool) -> list[torch.Tensor]:
+    """Stage 2 on 2 ranks: 2 steps, save, a third step."""
+    config = _config(2, opt={"device": "cpu"} if host else None, sub_group=50)
+    with apart() if host else contextlib.nullcontext():
+        engine, *_ = zerolap.initialize(model=make_model(), config=config)
+    return two_saved_then_one(engine, ckpt)
+
+
+def resume(ckpt: str, stage: int, host: bool) -> list[torch.Tensor]:
+    """Load ``ckpt`` at this world size and stage, offloaded or not, and take the third step."""
+    micro = MICRO * 2 // dist.get_world_size()  # the same samples at any world size
+    opt = {"device": "cpu", "ratio": 0.5} if host else None
+    config = _config(stage, opt=opt, sub_group=50, micro=micro)
+    with apart() if host else contextlib.nullcontext():
+        engine, *_ = zerolap.initialize(model=make_model(seed=5), config=config)
+    return third_step_from(engine, ckpt, micro)
+
+
+def test_checkpoints_move_between_host_and_device_steps(ranks, tmp_path):
+    offloaded, plain = str(tmp_path / "offloaded"), str(tmp_path / "plain")
+    want = ranks(2).run(save_and_continue, offloaded, True)[0]
+    assert _close(ranks(2).run(save_and_continue, plain, False)[0], want) == 0
+    # Saved with the step on the host, resumed without; saved without, resumed with it (the
+    # host's master values must come from the checkpoint, not from the initial weights).
+    assert _close(ranks(2).run(resume, offloaded, 2, False)[0], want) == 0
+    assert _close(ranks(1).run(resume, offloaded, 3, False)[0], want) < 1e-6
+    assert _close(ranks(2).run(resume, plain, 2, True)[0], want) == 0
+
+
+# -- what is said and refused -------------------------------------------------------------------
+
+
+def host_notes() -> list[str]:
+    with apart(), captured_logs() as messages:
+        engine, *_ = zerolap.initialize(
+            model=make_model(), config=_config(2, opt={"device": "cpu"})
+        )
+    engine.destroy()
+    return [m for m in messages if "offload" in m]
+
+
+def test_the_host_step_is_said_once(ranks):
+    notes = ranks(1).run(host_notes)[0]
+    assert len(notes) == 1, notes
+    assert "have their fp32 master, state and step in host memory" in notes[0]
+
+
+def test_the_plan_on_an_accelerator_moves_state_to_pinned_host_memory():
+    zero = ZeroConfig.model_validate(
+        {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    )
+    cuda = torch.device("cuda", 0)
+    plan = offload.plan_offload(zero, device=cuda, rank=0)
+    assert plan.optimizer is None and plan.params is None  # nothing on disk
+    assert plan.host == offload.HostPlan(device=cuda, ratio=1.0, pin=True)
+    assert plan.param_host == offload.HostPlan(device=cuda, ratio=1.0, pin=True)
+    assert len(plan.notes) == 2 and all("(pinned)" in note for note in plan.notes)
+    # On a CPU-only host nothing moves, and nothing is pinned.
+    plan = offload.plan_offload(zero, device=torch.device("cpu"), rank=0)
+    assert plan.host is None and plan.param_host is None

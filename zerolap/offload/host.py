@@ -1,0 +1,139 @@
+"""The optimizer's step on the host, apart from the accelerator that trains (``offload_optimizer:
+{device: cpu}``, and the host side of ``device: nvme``), as ZeRO-Offload does it.
+
+The offloaded runs' fp32 master values and optimizer state live in host memory and the inner
+optimizer steps them there (torch's CPU kernels: fused AdamW where the client asked for it).
+The accelerator keeps the parameters and gradients it trains with; per step,
+
+* gradients go down: ``HostGradients`` copies each bucket's offloaded runs into a (pinned)
+  host buffer on a side stream as the bucket's reduction is delivered in the backward that ends
+  the accumulation cycle, so the copies run under the rest of the backward; the step waits for
+  them once. The norm and the finite check read the accelerator's copy, as without offload.
+* parameters go up: each run's updated master values are copied into the accelerator's
+  parameter elements as soon as its sub-group has stepped (``non_blocking`` from pinned memory,
+  on the current stream), so the copies run while the host steps the next sub-group, and the
+  parameter all-gather after them is ordered behind them by the stream.
+
+On a CPU-only host there is no "apart": the state already is in host memory, and the engine
+logs that ``device: cpu`` moves nothing (``zerolap.offload.plan_offload``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from zerolap.zero.sub_groups import SubGroup, last_share
+
+__all__ = ["HostGradients", "HostPlan"]
+
+
+@dataclass(frozen=True)
+class HostPlan:
+    """The optimizer's offloaded runs step in host memory, apart from ``device``."""
+
+    device: torch.device  # the accelerator that trains
+    ratio: float  # offload_optimizer.ratio: the share of sub-groups moved (cpu)
+    pin: bool  # offload_optimizer.pin_memory, on a CUDA device
+
+    @property
+    def host(self) -> torch.device:
+        return torch.device("cpu")
+
+    def choose(self, sub_groups: list[SubGroup]) -> list[SubGroup]:
+        return last_share(sub_groups, self.ratio)
+
+    def gradients(
+        self, runs: list[tuple[int, int]], source: Callable[[int], torch.Tensor], dtype
+    ) -> HostGradients:
+        return HostGradients(self, runs, source, dtype)
+
+    def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Zeroed host memory, pinned when asked for."""
+        return torch.zeros(numel, dtype=dtype, pin_memory=self.pin)
+
+
+class HostGradients:
+    """The offloaded runs' gradients, copied off the device bucket by bucket.
+
+    ``runs``: (run index, its bucket) for every offloaded run; ``source(i)``: run ``i``'s
+    gradient elements on the device (the gradient store's view; valid until the next cycle
+    begins, after the step). A bucket's copy is *final* once made in the backward that ends the
+    cycle (``arm``); a bucket delivered outside it (an earlier micro-batch's reduction) is
+    copied again at the step."""
+
+    def __init__(
+        self,
+        plan: HostPlan,
+        runs: list[tuple[int, int]],
+        source: Callable[[int], torch.Tensor],
+        dtype: torch.dtype,
+    ) -> None:
+        self.source = source
+        self.by_bucket: dict[int, list[int]] = {}
+        self.offsets: dict[int, tuple[int, int]] = {}  # run -> its [start, end) in the buffer
+        at = 0
+        for i, bucket in runs:
+            numel = source(i).numel()
+            self.by_bucket.setdefault(bucket, []).append(i)
+            self.offsets[i] = (at, at + numel)
+            at += numel
+        self.buffer = plan.empty(at, dtype)
+        cuda = plan.device.type == "cuda"
+        self._stream = torch.cuda.Stream(device=plan.device) if cuda else None
+        self._device = plan.device
+        self._armed = False
+        self._copied: set[int] = set()  # buckets whose final gradients are on the host
+        # Bucket copies made as their reductions were delivered, and those left for the step
+        # (not overlapped), since construction.
+        self.copies_in_backward = 0
+        self.copies_at_step = 0
+
+    def view(self, i: int) -> torch.Tensor:
+        start, end = self.offsets[i]
+        return self.buffer[start:end]
+
+    def arm(self) -> None:
+        """The backward that ends the accumulation cycle begins: its deliveries are final."""
+        self._armed = True
+
+    def delivered(self, bucket: int) -> None:
+        """The reducer delivered ``bucket``'s reduction into the gradient store."""
+        if bucket not in self.by_bucket:
+            return
+        if self._armed:
+            self._copy(bucket)
+            self.copies_in_backward += 1
+        else:
+            self._copied.discard(bucket)
+
+    def _copy(self, bucket: int) -> None:
+        runs = self.by_bucket[bucket]
+        if self._stream is None:
+            for i in runs:
+                self.view(i).copy_(self.source(i))
+        else:
+            # After everything the current stream did to the gradients; the step waits for it.
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))
+            with torch.cuda.stream(self._stream):
+                for i in runs:
+                    self.view(i).copy_(self.source(i), non_blocking=True)
+        self._copied.add(bucket)
+
+    def take(self) -> dict[int, torch.Tensor]:
+        """Every offloaded run's final gradient on the host (those not copied yet are copied
+        now), as fp32; the next cycle starts from nothing copied."""
+        for bucket in self.by_bucket:
+            if bucket not in self._copied:
+                self._copy(bucket)
+                self.copies_at_step += 1
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._armed = False
+        self._copied.clear()
+        return {i: self.view(i).float() for i in self.offsets}
+
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
