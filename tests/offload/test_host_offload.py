@@ -26,7 +26,8 @@ from tests.offload.test_offload_training import (
     third_step_from,
     two_saved_then_one,
 )
-from tests.zero.models import make_model
+from tests.pipe.test_engine import train as train_pipeline
+from tests.zero.models import global_batch, loss_fn, make_model
 from zerolap.config.zero import ZeroConfig
 
 STEPS = 3
@@ -93,15 +94,21 @@ def check_host_step(directory: str) -> list[str]:
             failures.append(f"{name}: the parameter shard is on the device: {memory}")
         if opt is None:
             continue
-        in_backward, at_step = copies
-        if in_backward == 0 or at_step != 0:
-            failures.append(f"{name}: {in_backward} copies in backward, {at_step} at the step")
+        if stage == 1:  # full gradients stay on the device; the offloaded ones are copied
+            in_backward, at_step = copies
+            if in_backward == 0 or at_step != 0:
+                failures.append(f"{name}: {in_backward} copies in backward, {at_step} at step")
         if opt.get("ratio", 1.0) == 1.0:
-            # Nothing of the optimizer is left where training runs: no master, no state.
+            # Nothing of the optimizer is left where training runs: no master, no state, and
+            # (stages 2-3) no gradient shard.
             if memory.master_bytes or memory.optimizer_state_bytes > 64:
                 failures.append(f"{name}: still on the device: {memory}")
+            if stage > 1 and memory.grads_bytes:
+                failures.append(f"{name}: gradient shard still on the device: {memory}")
         elif not 0 < memory.optimizer_state_bytes < plain.optimizer_state_bytes:
             failures.append(f"{name}: a ratio moved {memory} of {plain}")
+        elif stage > 1 and not 0 < memory.grads_bytes < plain.grads_bytes:
+            failures.append(f"{name}: a ratio moved gradients {memory} of {plain}")
     return failures
 
 
@@ -173,3 +180,57 @@ def test_the_plan_on_an_accelerator_moves_state_to_pinned_host_memory():
     # On a CPU-only host nothing moves, and nothing is pinned.
     plan = offload.plan_offload(zero, device=torch.device("cpu"), rank=0)
     assert plan.host is None and plan.param_host is None
+
+
+# -- pipelines: the tied weight's gradient is summed across stages after backward -------------
+
+
+def pipeline_params(stage: int, offload: dict | None) -> list[dict]:
+    """DP 2 x PP 2 (tied embedding and head on the first and last stages), 4 micro-batches:
+    each rank's parameters after ``STEPS`` train_batch calls."""
+    zero = {"stage": stage, "reduce_bucket_size": 300, "sub_group_size": 40}
+    if offload is not None:
+        zero["offload_optimizer"] = offload
+    with apart() if offload is not None else contextlib.nullcontext():
+        _, _, params, *_ = train_pipeline(2, 4, stage, zero_optimization=zero)
+    return params
+
+
+def test_pipeline_with_the_step_on_the_host_equals_it_on_the_device(ranks):
+    for stage, ratio in ((1, 1.0), (2, 1.0), (2, 0.5)):
+        want = ranks(4).run(pipeline_params, stage, None)
+        got = ranks(4).run(pipeline_params, stage, {"device": "cpu", "ratio": ratio})
+        for rank, (mine, theirs) in enumerate(zip(got, want, strict=True)):
+            for name, value in theirs.items():
+                assert torch.equal(mine[name], value), (stage, ratio, rank, name)
+
+
+# -- a skipped step ---------------------------------------------------------------------------
+
+
+def with_a_nonfinite_step(stage: int, host: bool) -> tuple[list[torch.Tensor], int]:
+    """3 steps, the second with an infinite loss on rank 0 (skipped on every rank)."""
+    opt = {"device": "cpu"} if host else None
+    with apart() if host else contextlib.nullcontext():
+        engine, *_ = zerolap.initialize(model=make_model(), config=_config(stage, opt=opt))
+    rank = dist.get_rank()
+    for step in range(3):
+        tokens, targets = global_batch(step, MICRO * 2 * 2)
+        for m in range(2):
+            lo = rank * MICRO * 2 + m * MICRO
+            loss = loss_fn(engine(tokens[lo : lo + MICRO]).float(), targets[lo : lo + MICRO])
+            if step == 1 and rank == 0:
+                loss = loss * float("inf")
+            engine.backward(loss)
+            engine.step()
+    out = _params(engine), engine.skipped_steps
+    engine.destroy()
+    return out
+
+
+def test_a_skipped_step_with_the_step_on_the_host(ranks):
+    for stage in (1, 2):
+        want = ranks(2).run(with_a_nonfinite_step, stage, False)[0]
+        got = ranks(2).run(with_a_nonfinite_step, stage, True)[0]
+        assert got[1] == want[1] == 1
+        assert _close(got[0], want[0]) == 0, stage

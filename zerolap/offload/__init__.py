@@ -77,8 +77,9 @@ def _plan_optimizer(plan: OffloadPlan, zero: ZeroConfig, device: torch.device, r
         plan.host = HostPlan(device=device, ratio=opt.ratio, pin=pin)
         if opt.device == "cpu":
             plan.notes.append(
-                f"{key}.device 'cpu': {opt.ratio:.0%} of the optimizer's elements (whole "
-                f"sub-groups of {zero.sub_group_size}) have their fp32 master, state and step in "
+                f"{key}.device 'cpu': at least {opt.ratio:.0%} of the optimizer's elements, in "
+                f"whole sub-groups of {zero.sub_group_size}, have their fp32 master, state and "
+                "step in "
                 f"host memory{' (pinned)' if plan.host.pin else ''}; their gradients are "
                 "copied to the host during backward and their parameters back after each step"
             )

@@ -5,10 +5,14 @@ The offloaded runs' fp32 master values and optimizer state live in host memory a
 optimizer steps them there (torch's CPU kernels: fused AdamW where the client asked for it).
 The accelerator keeps the parameters and gradients it trains with; per step,
 
-* gradients go down: ``HostGradients`` copies each bucket's offloaded runs into a (pinned)
-  host buffer on a side stream as the bucket's reduction is delivered in the backward that ends
-  the accumulation cycle, so the copies run under the rest of the backward; the step waits for
-  them once. The norm and the finite check read the accelerator's copy, as without offload.
+* gradients go down as their buckets' reductions are delivered, on a side stream, so the
+  copies run under the rest of the backward and the step waits for them once. Stages 2-3 keep
+  the offloaded elements of the gradient shard in host memory outright
+  (``zero.grad_storage.ShardGradients.place_on_host``: the device holds none of their
+  gradients past the reduction); stage 1, whose full gradients stay on the device, has
+  ``HostGradients`` copy each bucket's offloaded runs into a (pinned) host buffer in the
+  backward that ends the accumulation cycle. The norm and the finite check read each part where
+  it is.
 * parameters go up: each run's updated master values are copied into the accelerator's
   parameter elements as soon as its sub-group has stepped (``non_blocking`` from pinned memory,
   on the current stream), so the copies run while the host steps the next sub-group, and the
@@ -56,7 +60,7 @@ class HostPlan:
 
 
 class HostGradients:
-    """The offloaded runs' gradients, copied off the device bucket by bucket.
+    """Stage 1: the offloaded runs' gradients, copied off the device bucket by bucket.
 
     ``runs``: (run index, its bucket) for every offloaded run; ``source(i)``: run ``i``'s
     gradient elements on the device (the gradient store's view; valid until the next cycle
@@ -96,8 +100,10 @@ class HostGradients:
         return self.buffer[start:end]
 
     def arm(self) -> None:
-        """The backward that ends the accumulation cycle begins: its deliveries are final."""
+        """The backward that ends the accumulation cycle begins: its deliveries are final
+        (anything copied before it is copied again)."""
         self._armed = True
+        self._copied.clear()
 
     def delivered(self, bucket: int) -> None:
         """The reducer delivered ``bucket``'s reduction into the gradient store."""
@@ -122,6 +128,14 @@ class HostGradients:
                     self.view(i).copy_(self.source(i), non_blocking=True)
         self._copied.add(bucket)
 
+    def reset(self) -> None:
+        """The cycle's gradients are not stepped (a skipped step): nothing is in flight or
+        armed after this."""
+        if self._stream is not None:
+            self._stream.synchronize()
+        self._armed = False
+        self._copied.clear()
+
     def take(self) -> dict[int, torch.Tensor]:
         """Every offloaded run's final gradient on the host (those not copied yet are copied
         now), as fp32; the next cycle starts from nothing copied."""
@@ -129,10 +143,7 @@ class HostGradients:
             if bucket not in self._copied:
                 self._copy(bucket)
                 self.copies_at_step += 1
-        if self._stream is not None:
-            self._stream.synchronize()
-        self._armed = False
-        self._copied.clear()
+        self.reset()
         return {i: self.view(i).float() for i in self.offsets}
 
     def nbytes(self) -> int:

@@ -631,6 +631,7 @@ class PipelineEngine(ZerolapEngine):
         elements on every stage, the weight having a bucket of its own)."""
         if not self._tie_groups:
             return
+        self.grads.settle()  # an offloaded part on the host has arrived
         slot_of = {id(p): i for i, p in enumerate(self.params)}
         chunked = self.plan.shard_gradients or self.plan.reduce_scatter
         rank = dist.get_rank(self.group)
@@ -640,7 +641,14 @@ class PipelineEngine(ZerolapEngine):
                 bucket = self.layout.buckets[slot.bucket]
                 start, end = bucket.chunk(rank) if chunked else (bucket.start, bucket.end)
                 position = self.layout.shard_position(slot.bucket, start) if chunked else 0
-                dist.all_reduce(self.grads.view(start, end, position), group=group)
+                for part in self.grads.parts(start, end, position):
+                    if part.device == self.device:
+                        dist.all_reduce(part, group=group)
+                    else:  # offloaded to the host: reduced through the device
+                        staged = part.to(self.device)
+                        dist.all_reduce(staged, group=group)
+                        part.copy_(staged)
+                self.optimizer.delivered(slot.bucket)  # copies of it made earlier are stale
 
     def _aggregate(self, values: list[torch.Tensor], *, broadcast: bool, scalar: bool = True):
         """The last stage's ``values`` averaged over micro-batches (losses as their mean; other
@@ -662,6 +670,8 @@ class PipelineEngine(ZerolapEngine):
         if not scalar:  # the other stages learn the outputs' shape first
             dist.broadcast_object_list(shape, src=src, group=group)
         if not self.is_last_stage():
-            value = torch.zeros(shape[0] or (), dtype=torch.float32)
+            value = torch.zeros(
+                shape[0] or (), dtype=torch.float32, device=dist.buffer_device(group)
+            )
         dist.broadcast(value, src=src, group=group)
         return value

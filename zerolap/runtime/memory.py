@@ -93,7 +93,8 @@ def measure_memory(engine) -> MemoryBreakdown:
         swapped_bytes=(optimizer.swapped_bytes() if optimizer is not None else 0)
         + (store.swapped_bytes() if store is not None else 0),
         host_bytes=(optimizer.host_bytes() if optimizer is not None else 0)
-        + (store.host_bytes() if store is not None else 0),
+        + (store.host_bytes() if store is not None else 0)
+        + (grads.host_bytes() if grads is not None else 0),
         expected_bytes=formula(master=4 if mixed else 0),
         zero_formula_bytes=formula(master=4 if (mixed or stage > 0) else 0),
     )

@@ -6,10 +6,13 @@ Two kinds, chosen once per ZeRO stage:
   Gradients of several micro-batches accumulate in it locally and the buffer's own bucket regions
   are reduced in place at the accumulation boundary (through a cast copy when the communication
   dtype differs).
-* ``ShardGradients`` (stage 2): only this rank's shard is kept. Each bucket collects its
+* ``ShardGradients`` (stages 2 and 3): only this rank's shard is kept. Each bucket collects its
   gradients in a buffer from a small pool, reduce-scattered every micro-batch; the owned chunk is
   added into the shard and the buffer goes back to the pool. Memory for the other ranks'
-  gradients is a few bucket buffers, whatever the model's size.
+  gradients is a few bucket buffers, whatever the model's size. With optimizer offload from an
+  accelerator, the shard's tail (the elements the host steps) lives in host memory
+  (``place_on_host``): each reduced chunk is copied down as it is delivered, on a side stream,
+  so the device keeps no gradient of those elements past their reduction.
 
 Rules both follow:
 * Every gradient is multiplied by the reduction's pre factor (``reductions.scale_factors``) as
@@ -111,6 +114,13 @@ class FullGradients:
         """Gradients of flat ``[start, end)`` (``shard_pos`` is unused: the buffer is flat)."""
         return self.flat[start:end]
 
+    def parts(self, start: int, end: int, shard_pos: int) -> list[torch.Tensor]:
+        return [self.flat[start:end]]
+
+    def place_on_host(self, position: int, plan) -> bool:
+        """Every gradient is kept where training runs (stages 0-1 reduce them in place)."""
+        return False
+
     def param_grad(self, slot: int) -> torch.Tensor:
         start, end = _slot_range(self.layout, slot)
         return self.flat[start:end]
@@ -124,6 +134,9 @@ class FullGradients:
 
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
+
+    def host_bytes(self) -> int:
+        return 0
 
     def buffer_bytes(self) -> int:
         return 0  # buckets are regions of the flat buffer
@@ -149,7 +162,13 @@ class ShardGradients:
         self.shard = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         self._shard_offsets = [layout.shard_offset(b.index) for b in layout.buckets]
         self._buffer_numel = max((b.numel for b in layout.buckets), default=0)
-        self._free: list[torch.Tensor] = []  # pooled buffers of _buffer_numel elements
+        # Pooled buffers of _buffer_numel elements, each with the event a copy from it must
+        # reach before the buffer is written again (None: nothing reads it).
+        self._free: list[tuple[torch.Tensor, object]] = []
+        self.host_from = layout.shard_numel  # shard positions from here on live on the host
+        self.host_shard: torch.Tensor | None = None
+        self._stream = None  # the side stream of the copies down (CUDA)
+        self._host_written: set[int] = set()  # buckets whose host part holds this cycle's sum
         self._allocated = 0
         self.max_buffers = max_buffers  # beyond this, the reducer finishes a bucket first
         self._unwritten: dict[int, set[int]] = {}  # per bucket holding a buffer
@@ -157,9 +176,21 @@ class ShardGradients:
     def has_free_buffer(self) -> bool:
         return bool(self._free) or self._allocated < self.max_buffers
 
+    def place_on_host(self, position: int, plan) -> bool:
+        """Keep the shard's elements from ``position`` on in host memory (``plan``: the
+        offload's ``HostPlan``); the device keeps the rest."""
+        self.host_from = position
+        self.host_shard = plan.empty(self.layout.shard_numel - position, self.shard.dtype)
+        self.shard = self.shard[:position].clone()  # the tail's device memory is freed
+        if plan.device.type == "cuda":
+            self._stream = torch.cuda.Stream(device=plan.device)
+        return True
+
     def _acquire(self, bucket: Bucket) -> torch.Tensor:
         if self._free:
-            full = self._free.pop()
+            full, copied = self._free.pop()
+            if copied is not None:  # a copy down may still be reading it
+                torch.cuda.current_stream(full.device).wait_event(copied)
         else:
             full = torch.empty(self._buffer_numel, dtype=self.comm_dtype, device=self.device)
             self._allocated += 1
@@ -190,26 +221,84 @@ class ShardGradients:
         chunk_start, chunk_end = bucket.layout.chunk(self.rank)
         piece = reduced[chunk_start - start : chunk_end - start]
         offset = self._shard_offsets[bucket.index]
-        self.shard[offset : offset + piece.numel()].add_(piece)
+        on_device = min(max(self.host_from - offset, 0), piece.numel())
+        if on_device:
+            self.shard[offset : offset + on_device].add_(piece[:on_device])
+        copied = None
+        if on_device < piece.numel():
+            copied = self._down(bucket.index, piece[on_device:], offset + on_device)
         bucket.delivered = True
-        self._free.append(bucket.buffer._base if bucket.buffer._base is not None else bucket.buffer)
+        buffer = bucket.buffer._base if bucket.buffer._base is not None else bucket.buffer
+        self._free.append((buffer, copied))
         bucket.buffer = None  # the other ranks' gradients are not kept past the reduction
 
+    def _down(self, bucket: int, piece: torch.Tensor, position: int):
+        """Shard ``position`` onwards (on the host) := (first round of the cycle) or +=
+        ``piece``. Returns the event the copy down completes at (None if it is done)."""
+        at = position - self.host_from
+        target = self.host_shard[at : at + piece.numel()]
+        if bucket in self._host_written:  # a later round: added on the host, in order
+            self._wait_copies()
+            target.add_(piece.to(target.device))
+            return None
+        self._host_written.add(bucket)
+        if self._stream is None:
+            target.copy_(piece)
+            return None
+        self._stream.wait_stream(torch.cuda.current_stream(piece.device))
+        with torch.cuda.stream(self._stream):
+            target.copy_(piece, non_blocking=True)
+        piece.record_stream(self._stream)  # its memory is not reused before the copy is done
+        return self._stream.record_event()
+
+    def _wait_copies(self) -> None:
+        if self._stream is not None:
+            self._stream.synchronize()
+
     def view(self, start: int, end: int, shard_pos: int) -> torch.Tensor:
-        """Gradients of flat ``[start, end)``, which sit at ``shard_pos`` in the shard."""
-        return self.shard[shard_pos : shard_pos + end - start]
+        """Gradients of flat ``[start, end)``, which sit at ``shard_pos`` in the shard (all on
+        the device, or all on the host: see ``parts``)."""
+        (part,) = self.parts(start, end, shard_pos)
+        return part
+
+    def parts(self, start: int, end: int, shard_pos: int) -> list[torch.Tensor]:
+        """The same elements as one view per side of the host boundary they lie on."""
+        numel, cut = end - start, self.host_from - shard_pos
+        if cut >= numel:
+            return [self.shard[shard_pos : shard_pos + numel]]
+        host = self.host_shard[max(-cut, 0) : numel - cut]
+        return [self.shard[shard_pos : self.host_from], host] if cut > 0 else [host]
 
     def param_grad(self, slot: int) -> None:
         return None  # a parameter's full gradient exists nowhere on this rank
 
     def begin_cycle(self) -> None:
         self.shard.zero_()
+        self._host_written.clear()  # the host part is overwritten by each bucket's first round
 
     def settle(self) -> None:
-        """Nothing to do: the shard only ever receives delivered (complete) reductions."""
+        """Before the optimizer reads: the copies down have arrived, and host elements no
+        reduction reached this cycle hold zero (the device part only ever receives delivered,
+        complete reductions)."""
+        if self.host_shard is None:
+            return
+        self._wait_copies()
+        for bucket in self.layout.buckets:
+            offset = self._shard_offsets[bucket.index]
+            if bucket.index not in self._host_written and offset + bucket.chunk_numel > (
+                self.host_from
+            ):
+                lo = max(offset - self.host_from, 0)
+                self.host_shard[lo : offset + bucket.chunk_numel - self.host_from].zero_()
 
     def nbytes(self) -> int:
+        """Gradient memory where training runs (the host part is ``host_bytes``)."""
         return self.shard.numel() * self.shard.element_size()
+
+    def host_bytes(self) -> int:
+        if self.host_shard is None:
+            return 0
+        return self.host_shard.numel() * self.host_shard.element_size()
 
     def buffer_bytes(self) -> int:
         itemsize = torch.empty((), dtype=self.comm_dtype).element_size()

@@ -45,6 +45,14 @@ from zerolap.zero.sub_groups import split_runs
 __all__ = ["ZeroOptimizer"]
 
 
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[int]]:
+    """Indices of ``tensors`` by device (offloaded runs' gradients are on the host)."""
+    out: dict[torch.device, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        out.setdefault(tensor.device, []).append(i)
+    return out
+
+
 def slot_groups(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> list[int]:
     """For each parameter, the index of the client param group holding it (-1: none)."""
     where = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
@@ -54,22 +62,31 @@ def slot_groups(optimizer: torch.optim.Optimizer, params: list[torch.nn.Paramete
 class ResidentRuns:
     """Runs whose values and optimizer state stay in memory: their views are permanent and
     their state lives in the inner optimizer's ``state``. ``on_host``: in host memory, apart
-    from the accelerator that trains (``offload_optimizer`` there)."""
+    from the accelerator that trains (``offload_optimizer`` there), stepped one sub-group of
+    ``batches`` at a time so that each one's parameters go up while the next one steps."""
 
     def __init__(
-        self, indices: list[int], views: list[torch.Tensor], inner, *, on_host: bool = False
+        self,
+        indices: list[int],
+        views: list[torch.Tensor],
+        inner,
+        *,
+        on_host: bool = False,
+        batches: list[list[int]] | None = None,
     ) -> None:
         self.indices = indices
         self.views = views
         self.inner = inner
         self.on_host = on_host
+        self.batches = batches if batches is not None else [indices]
 
     def prefetch(self) -> None:
         """Nothing to bring in."""
 
     def step(self, step_runs: Callable[[list[int]], None]) -> None:
-        if self.indices:
-            step_runs(self.indices)
+        for batch in self.batches:
+            if batch:
+                step_runs(batch)
 
     def visit(self, write: bool, only: set[int] | None) -> Iterator[tuple[int, torch.Tensor, dict]]:
         for i in self.indices:
@@ -182,10 +199,13 @@ class ZeroOptimizer:
         # Swapped sub-groups then keep the master values in their file.
         self.swap_master = any(self.apart[i] for i in taken)
         stepped_on_host = [i for i in on_host if i not in taken]
+        self._taken = taken
         self.host_master = self._make_host_master([i for i in stepped_on_host if self.apart[i]])
         self.views = [self._value_view(i, i in taken) for i in range(len(self.runs))]
+        # The offloaded runs' gradients: kept on the host by a sharded store, or else copied
+        # down from where the reductions leave them (``host.gradients``).
         self.host_grads = None
-        if on_host:
+        if on_host and not grads.place_on_host(self.positions[on_host[0]], host):
             self.host_grads = host.gradients(
                 [(i, self.runs[i].bucket) for i in on_host],
                 self._device_grad,
@@ -198,7 +218,10 @@ class ZeroOptimizer:
         inner.state.clear()
         self.tiers = [ResidentRuns(resident, self.views, inner)]
         if stepped_on_host:
-            self.tiers.append(ResidentRuns(stepped_on_host, self.views, inner, on_host=True))
+            stepped = set(stepped_on_host)
+            batches = [[i for i in sg.runs if i in stepped] for sg in moved]
+            tier = ResidentRuns(stepped_on_host, self.views, inner, on_host=True, batches=batches)
+            self.tiers.append(tier)
         if swapped:
             self.tiers.append(swap.build(self, swapped))
         self.reload_master()
@@ -332,6 +355,7 @@ class ZeroOptimizer:
         scale = self.loss_scaler.loss_scale
         if self.loss_scaler.dynamic and not self._all_finite(grads):
             self.loss_scaler.update_scale(True)
+            self._forget_host_grads()
             self.last_norm, self.last_applied = math.inf, False
             self.overflow = True
             return False
@@ -341,6 +365,7 @@ class ZeroOptimizer:
             # The norm, agreed over the ranks, is inf or nan exactly when some gradient is.
             finite = math.isfinite(norm) if norm is not None else self._all_finite(grads)
             if not finite:
+                self._forget_host_grads()
                 self.last_norm, self.last_applied = norm, False
                 self.overflow = True
                 return False
@@ -351,22 +376,34 @@ class ZeroOptimizer:
             for i, host_grad in self.host_grads.take().items():
                 grads[i] = host_grad
         if divisor != 1.0:
-            for device in {g.device for g in grads}:  # one pass per device (host copies apart)
-                torch._foreach_div_([g for g in grads if g.device == device], divisor)
+            for on_device in _by_device(grads).values():
+                torch._foreach_div_([grads[i] for i in on_device], divisor)
         for tier in self.tiers:
             tier.step(lambda indices: self._step_runs(indices, grads))
         self.loss_scaler.update_scale(False)
         self.last_norm, self.last_applied = norm, True
         return True
 
+    def _forget_host_grads(self) -> None:
+        """A skipped step: the copies down of its gradients are done with."""
+        if self.host_grads is not None:
+            self.host_grads.reset()
+
+    def _finite(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Whether all of ``grads`` are finite, on the device (host parts checked there)."""
+        finite = self._true
+        for on_device in _by_device(grads).values():
+            part = torch.stack([torch.isfinite(grads[i]).all() for i in on_device]).all()
+            finite = finite & part.to(finite.device)
+        return finite
+
     def _all_finite(self, grads: list[torch.Tensor]) -> bool:
         """Whether every rank's gradients are finite (one one-element all-reduce)."""
-        finite = torch.stack([torch.isfinite(g).all() for g in grads] or [self._true]).all()
-        return self._agree((~finite).double().reshape(1), "max") == 0
+        return self._agree((~self._finite(grads)).double().reshape(1), "max") == 0
 
     def shard_finite(self) -> bool:
         """Whether this rank's own gradients are finite (no collective)."""
-        return all(bool(torch.isfinite(g).all()) for g in self._owned_grads())
+        return bool(self._finite(self._owned_grads()))
 
     def _step_runs(self, indices: list[int], grads: list[torch.Tensor]) -> None:
         """One call of the inner optimizer on runs ``indices`` (those with a gradient: the
@@ -377,8 +414,14 @@ class ZeroOptimizer:
         for i in indices:
             self.views[i].grad = None
         for i in indices:
-            if self.apart[i]:  # from pinned host memory: runs while the next ones step
-                self.param_elements(i).copy_(self.views[i], non_blocking=True)
+            if self.apart[i]:
+                target, values = self.param_elements(i), self.views[i]
+                # Up from pinned host memory without waiting (it runs while the next sub-group
+                # steps): the host master is written again only after the next backward, which
+                # the stream orders behind this copy. Not from a swap buffer (its I/O lane
+                # refills it), nor down into host memory (the host reads it next).
+                later = target.device.type != "cpu" and i not in self._taken
+                target.copy_(values, non_blocking=later)
 
     def _global_norm(self, grads: list[torch.Tensor], scale: float) -> float:
         """One fused pass over the runs; squares summed in float64 across runs and ranks. A
@@ -392,8 +435,13 @@ class ZeroOptimizer:
         return math.sqrt(total) / scale
 
     def _squares(self, grads: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """This rank's weighted sum of squared run norms, computed in ``dtype``, as float64."""
-        norms = torch._foreach_norm(grads, 2, dtype=dtype) if grads else [self._zero]
+        """This rank's weighted sum of squared run norms, computed in ``dtype``, as float64
+        (one fused pass per device the gradients are on)."""
+        norms = [self._zero] * max(len(grads), 1)
+        for on_device in _by_device(grads).values():
+            found = torch._foreach_norm([grads[i] for i in on_device], 2, dtype=dtype)
+            for i, norm in zip(on_device, found, strict=True):
+                norms[i] = norm.to(self._zero.device)
         squares = torch.stack([n.double() for n in norms]).pow(2)
         if not self._count_all:
             squares = squares * self._norm_weights

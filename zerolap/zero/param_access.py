@@ -58,16 +58,19 @@ class ParamAccess:
         """The parameter's elements from ``tensors`` (``(run index, tensor or None)`` for the
         runs in ``pieces``), summed over the ranks that share the optimizer."""
         opt = self.optimizer
-        out = torch.zeros(param.ds_numel if hasattr(param, "ds_numel") else param.numel())
+        # Where the group's collectives take tensors (the device under NCCL).
+        device = dist.buffer_device(opt.group) if opt.sharded else torch.device("cpu")
+        numel = param.ds_numel if hasattr(param, "ds_numel") else param.numel()
+        out = torch.zeros(numel, device=device)
         found = False
         for i, tensor in tensors:
             if tensor is not None:
                 run_at, param_at, count = pieces[i]
-                out[param_at : param_at + count] = tensor[run_at : run_at + count].float().cpu()
+                out[param_at : param_at + count] = tensor[run_at : run_at + count].float()
                 found = True
         if opt.sharded:
             dist.all_reduce(out, group=opt.group)
-            flag = torch.tensor([float(found)])
+            flag = torch.tensor([float(found)], device=device)
             dist.all_reduce(flag, op="max", group=opt.group)
             found = flag.item() > 0
         shape = param.ds_shape if hasattr(param, "ds_shape") else param.shape
