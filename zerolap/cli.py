@@ -160,7 +160,7 @@ def _estimate(args: argparse.Namespace) -> int:
     )
     print(
         f"  {'':13} {'no offload':>13}   {'offload cpu: device':>19} {'+ host':>13}"
-        f"   {'offload nvme: device':>20} {'+ disk':>13}"
+        f"   {'offload nvme: device':>20} {'+ host':>13} {'+ disk':>13}"
     )
     for stage, tiers in per_device.items():
         row = f"  ZeRO stage {stage}: {_decimal_bytes(tiers['none'].device)}"
@@ -168,12 +168,16 @@ def _estimate(args: argparse.Namespace) -> int:
             cpu, nvme = tiers["cpu"], tiers["nvme"]
             row += (
                 f"   {_decimal_bytes(cpu.device):>19} {_decimal_bytes(cpu.host)}"
-                f"   {_decimal_bytes(nvme.device):>20} {_decimal_bytes(nvme.disk)}"
+                f"   {_decimal_bytes(nvme.device):>20} {_decimal_bytes(nvme.host)}"
+                f" {_decimal_bytes(nvme.disk)}"
             )
         else:
             row += "   (offload needs stage 1-3)"
         print(row)
-    print("  (stage 3 offload moves the parameter shards too: offload_param)")
+    print(
+        "  (from an accelerator: an fp32 master on the host even for fp32 weights, the gradient "
+        "shard on the host at stages 2-3, and at stage 3 the parameter shards too: offload_param)"
+    )
     return 0
 
 

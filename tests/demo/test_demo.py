@@ -137,9 +137,11 @@ def test_cli_estimate_and_report():
         "ZeRO stage 3:      1.875 GB",
     ):
         assert line in result.stdout
-    # offload columns: stage 2 moves the 12 bytes of master + Adam state over 64 ranks
+    # offload columns: stage 2 moves the 12 bytes of master + Adam state and the 2 of the
+    # gradient shard over 64 ranks to the host (nvme: the 12 to disk, the 2 to the host)
     stage2 = next(ln for ln in result.stdout.splitlines() if "ZeRO stage 2:" in ln)
-    assert stage2.split()[5:9] == ["15.234", "GB", "1.406", "GB"], stage2
+    assert stage2.split()[5:9] == ["15.000", "GB", "1.641", "GB"], stage2
+    assert stage2.split()[9:15] == ["15.000", "GB", "234.375", "MB", "1.406", "GB"], stage2
     result = _zerolap(
         "estimate",
         "--model",

@@ -10,10 +10,13 @@ Mixed precision is p = g = 2, m = 4, k = 8 (the paper's K = 12): 7.5B parameters
 need 120, 31.4, 16.6 and 1.88 GB (the paper's Table 1). fp32 as zerolap trains it keeps no
 master copy (p = g = 4, m = 0, k = 8).
 
-Offload (stages 1-3) moves the optimizer's share, (m + k) / N, off the device: to host memory
-(``device: cpu``) or to disk (``device: nvme``); at stage 3 ``offload_param`` moves the
-parameter shard, p / N, too. Gradients stay on the device. On a CPU-only host the "device" is
-host memory, and only ``nvme`` changes what is resident.
+Offload (stages 1-3), as zerolap places it from an accelerator: the optimizer's share moves to
+host memory (``device: cpu``) or to disk (``device: nvme``), with an fp32 master even for fp32
+weights (the host cannot step the device's own parameters); at stages 2-3 the gradient shard,
+g / N, moves to host memory as well; at stage 3 ``offload_param`` moves the parameter shard,
+p / N, too (to the host, where fp32 weights are then stepped in place, without a master; or to
+disk, with one). On a CPU-only host the "device" is host memory, and only ``nvme`` changes what
+is resident.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ __all__ = [
     "bytes_per_param",
     "estimate_model_states",
     "estimate_offload",
-    "offloaded_bytes_per_param",
+    "offload_placement",
 ]
 
 
@@ -57,17 +60,6 @@ def bytes_per_param(stage: int, world_size: int, precision: Precision) -> float:
     raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3; got {stage}")
 
 
-def offloaded_bytes_per_param(stage: int, world_size: int, precision: Precision) -> float:
-    """Bytes per parameter that offload moves off the device (none at stage 0, which has no
-    partitioned optimizer to offload)."""
-    if stage == 0:
-        return 0.0
-    moved = (precision.master + precision.state) / world_size
-    if stage == 3:
-        moved += precision.param / world_size
-    return moved
-
-
 @dataclass(frozen=True)
 class Placement:
     """Bytes per rank in each tier."""
@@ -75,6 +67,22 @@ class Placement:
     device: float
     host: float = 0.0
     disk: float = 0.0
+
+
+def offload_placement(stage: int, world_size: int, precision: Precision, tier: str) -> Placement:
+    """Bytes per parameter in each tier with ``offload_optimizer`` (and at stage 3
+    ``offload_param``) on ``tier``, ``cpu`` or ``nvme``, from an accelerator (stages 1-3)."""
+    if stage not in (1, 2, 3):
+        raise ValueError(f"offload needs ZeRO stage 1, 2 or 3; got {stage}")
+    p, g, k, n = precision.param, precision.grad, precision.state, world_size
+    in_place = stage == 3 and tier == "cpu" and precision.master == 0  # fp32 shard on the host
+    m = 0 if in_place else 4
+    device = {1: p + g, 2: p, 3: 0.0}[stage]
+    grads = g / n if stage > 1 else 0.0  # the gradient shard's tail lives on the host
+    moved = (m + k + (p if stage == 3 else 0)) / n
+    if tier == "cpu":
+        return Placement(device=device, host=moved + grads)
+    return Placement(device=device, host=grads, disk=moved)
 
 
 def _checked(numel: float, world_size: int, precision: str) -> Precision:
@@ -106,10 +114,12 @@ def estimate_offload(
     chosen = _checked(numel, world_size, precision)
     out: dict[int, dict[str, Placement]] = {}
     for stage in range(4):
-        total = numel * bytes_per_param(stage, world_size, chosen)
-        moved = numel * offloaded_bytes_per_param(stage, world_size, chosen)
-        out[stage] = {"none": Placement(device=total)}
-        if stage > 0:
-            out[stage]["cpu"] = Placement(device=total - moved, host=moved)
-            out[stage]["nvme"] = Placement(device=total - moved, disk=moved)
+        out[stage] = {"none": Placement(device=numel * bytes_per_param(stage, world_size, chosen))}
+        for tier in ("cpu", "nvme") if stage > 0 else ():
+            per_param = offload_placement(stage, world_size, chosen, tier)
+            out[stage][tier] = Placement(
+                device=numel * per_param.device,
+                host=numel * per_param.host,
+                disk=numel * per_param.disk,
+            )
     return out
