@@ -111,26 +111,35 @@ def test_wire_volume_per_step(ranks, world_size, stage, reduce_scatter):
         assert sent == pytest.approx(ddp, rel=0.05), (sent, ddp)
 
 
-def check_overlap(overlap: bool) -> tuple[int, int]:
+def check_overlap(overlap: bool) -> tuple[int, int, bool, int]:
     engine, *_ = zerolap.initialize(model=wide_mlp(), config=_config(2, overlap_comm=overlap))
     dist.configure(enabled=True)
     dist.reset_log()
     try:
         _train_step(engine, 0)
         end = engine.reducer.last_timing.compute_end
-        starts = [r.start for r in dist.COMMS_LOGGER.records if r.op == "ring_reduce_scatter"]
+        spans = [
+            (r.start, r.waited) for r in dist.COMMS_LOGGER.records if r.op == "ring_reduce_scatter"
+        ]
     finally:
         dist.configure(enabled=False)
         dist.reset_log()
-    return sum(s < end for s in starts), len(starts)
+    during = [waited for start, waited in spans if start < end]
+    # Reductions launched during backward were also waited for there (autograd held back).
+    waited_inside = all(waited is not None and waited[1] < end for waited in during)
+    return len(during), len(spans), waited_inside, len(engine.layout.buckets)
 
 
 def test_overlap_launches_buckets_while_backward_computes(ranks):
-    for during, total in ranks(2).run(check_overlap, True):
+    for during, total, _, _ in ranks(2).run(check_overlap, True):
         assert total > 2
         assert during == total, "every bucket completes in a hook: all launch before autograd ends"
-    for during, total in ranks(2).run(check_overlap, False):
-        assert during == 0 and total > 2, "without overlap_comm every launch follows backward"
+    for during, total, waited_inside, buckets in ranks(2).run(check_overlap, False):
+        # Without overlap_comm nothing runs under autograd: buckets wait for its end, except
+        # when stage 2's pool of 4 bucket buffers runs out; then the ready ones are reduced
+        # and waited for at once.
+        assert buckets > 4 and total > 2
+        assert 0 < during < total and waited_inside, (during, total)
 
 
 def check_fp16_overflow_is_skipped_on_every_rank() -> dict:

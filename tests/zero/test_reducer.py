@@ -59,3 +59,25 @@ def test_a_gradient_outside_the_scope_is_named():
     reducer.begin_backward(True, scope=frozenset({1}))
     with pytest.raises(RuntimeError, match="reduces only buckets \\[1\\], not its bucket 0"):
         params[0].sum().backward()
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_stage_2_holds_at_most_its_pool_of_bucket_buffers(overlap):
+    """Ten one-parameter buckets, gradients arriving in bucket order as the layout expects
+    them: the storage never holds more than its pool of buffers, with or without
+    ``overlap_comm`` (without it, ready buckets are reduced when the pool runs out, instead of
+    every bucket keeping a buffer until the end of backward), and every gradient lands whole."""
+    params = [torch.nn.Parameter(torch.ones(4)) for _ in range(10)]
+    layout = build_layout([4] * 10, bucket_numel=4, world_size=1)
+    storage = ShardGradients(layout, 0, dtype=torch.float32, comm_dtype=torch.float32, device="cpu")
+    reducer = GradReducer(params, layout, storage, _Recorded(), overlap=overlap)
+    reducer.begin_cycle()
+    reducer.begin_backward(True)
+    x = torch.ones(4)
+    for p in reversed(params):  # backward reaches params[0] first
+        x = x * p
+    x.sum().backward()
+    reducer.finish_backward()
+    assert len(layout.buckets) == 10
+    assert storage.buffer_bytes() <= storage.max_buffers * 4 * 4
+    assert storage.shard.tolist() == [1.0] * 40

@@ -653,7 +653,6 @@ class ZerolapEngine(torch.nn.Module):
         if boundary:
             for param in self.params:
                 param.grad = None
-            self.grads.settle()
             start = time.perf_counter()
             applied = self.optimizer.update()
             updated = time.perf_counter()

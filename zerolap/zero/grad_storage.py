@@ -181,14 +181,14 @@ class ShardGradients:
         offload's ``HostPlan``); the device keeps the rest."""
         self.host_from = position
         self.host_shard = plan.empty(self.layout.shard_numel - position, self.shard.dtype)
-        self.shard = self.shard[:position].clone()  # the tail's device memory is freed
+        self.shard = self.shard.new_zeros(position)  # the tail's device memory is freed
         if plan.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=plan.device)
         return True
 
     def _acquire(self, bucket: Bucket) -> torch.Tensor:
         if self._free:
-            full, copied = self._free.pop()
+            full, copied = self._free.pop(0)  # the oldest: its copy down is the likeliest done
             if copied is not None:  # a copy down may still be reading it
                 torch.cuda.current_stream(full.device).wait_event(copied)
         else:
@@ -224,11 +224,13 @@ class ShardGradients:
         on_device = min(max(self.host_from - offset, 0), piece.numel())
         if on_device:
             self.shard[offset : offset + on_device].add_(piece[:on_device])
+        buffer = bucket.buffer._base if bucket.buffer._base is not None else bucket.buffer
         copied = None
         if on_device < piece.numel():
             copied = self._down(bucket.index, piece[on_device:], offset + on_device)
+            if piece.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+                copied = None  # it reads a reduction's own output (kept by record_stream)
         bucket.delivered = True
-        buffer = bucket.buffer._base if bucket.buffer._base is not None else bucket.buffer
         self._free.append((buffer, copied))
         bucket.buffer = None  # the other ranks' gradients are not kept past the reduction
 
@@ -237,7 +239,10 @@ class ShardGradients:
         ``piece``. Returns the event the copy down completes at (None if it is done)."""
         at = position - self.host_from
         target = self.host_shard[at : at + piece.numel()]
-        if bucket in self._host_written:  # a later round: added on the host, in order
+        if bucket in self._host_written:
+            # A later round (accumulation, late gradients): added on the host once the copies
+            # before it arrived. It waits for the device, inside backward: with accumulation,
+            # offload costs a stall per bucket and micro-batch after the first.
             self._wait_copies()
             target.add_(piece.to(target.device))
             return None
@@ -290,6 +295,7 @@ class ShardGradients:
             ):
                 lo = max(offset - self.host_from, 0)
                 self.host_shard[lo : offset + bucket.chunk_numel - self.host_from].zero_()
+                self._host_written.add(bucket.index)  # a later delivery adds onto the zeros
 
     def nbytes(self) -> int:
         """Gradient memory where training runs (the host part is ``host_bytes``)."""

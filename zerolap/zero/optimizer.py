@@ -350,6 +350,7 @@ class ZeroOptimizer:
 
     def update(self) -> bool:
         """Phases 1-5 (compute only): the owned elements take their step."""
+        self.grads.settle()  # places no reduction reached are zero; copies down have arrived
         self.store.settle()  # no chunk may change while the last step's gathers send it
         grads = self._owned_grads()
         scale = self.loss_scaler.loss_scale

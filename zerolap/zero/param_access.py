@@ -58,7 +58,8 @@ class ParamAccess:
         """The parameter's elements from ``tensors`` (``(run index, tensor or None)`` for the
         runs in ``pieces``), summed over the ranks that share the optimizer."""
         opt = self.optimizer
-        # Where the group's collectives take tensors (the device under NCCL).
+        # Assembled where the group's collectives take tensors (the device under NCCL),
+        # returned on the CPU.
         device = dist.buffer_device(opt.group) if opt.sharded else torch.device("cpu")
         numel = param.ds_numel if hasattr(param, "ds_numel") else param.numel()
         out = torch.zeros(numel, device=device)
@@ -74,7 +75,7 @@ class ParamAccess:
             dist.all_reduce(flag, op="max", group=opt.group)
             found = flag.item() > 0
         shape = param.ds_shape if hasattr(param, "ds_shape") else param.shape
-        return out.view(shape) if found else None
+        return out.cpu().view(shape) if found else None
 
     def fp32_value(self, param) -> torch.Tensor:
         pieces = self._pieces(param)
@@ -83,6 +84,7 @@ class ParamAccess:
 
     def grad(self, param) -> torch.Tensor | None:
         opt = self.optimizer
+        opt.grads.settle()  # gradients offloaded to the host have arrived
         pieces = self._pieces(param)
         grads = (
             (i, opt.grads.view(opt.runs[i].start, opt.runs[i].end, opt.positions[i]))

@@ -16,7 +16,10 @@ Phases of one backward:
    order, results are scaled and delivered; buckets refilled by late gradients get a second
    round.
 
-Without ``overlap_comm`` phase 2 only records readiness and every launch happens in phase 3.
+Without ``overlap_comm`` phase 2 only records readiness and launches happen in phase 3, except
+when a bucket needs a buffer and the storage's pool is used up (stage 2's few bucket buffers):
+then the ready buckets are reduced there, in order, and waited for, so that no reduction runs
+while autograd computes.
 """
 
 from __future__ import annotations
@@ -135,6 +138,16 @@ class GradReducer:
         bucket.move(BucketState.REDUCING)
 
     def _finish_oldest(self) -> None:
+        """Free a bucket buffer: finish the oldest reduction in flight. Without
+        ``overlap_comm`` none is: the buckets that are ready are reduced now, in order, and
+        waited for (as DeepSpeed reduces a full bucket when overlap is off); otherwise every
+        bucket of the model would hold a buffer until the end of backward, the size of the
+        whole gradient."""
+        if not self.overlap:
+            self._launch_ready()
+            for bucket in self.buckets:
+                self._finish(bucket)
+            return
         for bucket in self.buckets:
             if bucket.state == BucketState.REDUCING:
                 self._finish(bucket)
