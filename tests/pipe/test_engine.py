@@ -253,14 +253,18 @@ def test_zero_bubble_reaches_a_layer_reading_features_and_shares_a_weight(ranks)
 
 
 class _SharedUse(torch.nn.Module):
-    """A linear layer whose weight is also used outside it."""
+    """A linear layer whose weight is also used outside it, from its second call on (a
+    micro-batch after the first)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.lin = torch.nn.Linear(models.WIDTH, models.WIDTH)
+        self.calls = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lin(x) + x @ self.lin.weight.t()
+        self.calls += 1
+        out = self.lin(x)
+        return out + x @ self.lin.weight.t() if self.calls > 1 else out
 
 
 def zero_bubble_errors() -> list[str]:

@@ -15,8 +15,8 @@ whose backward is known; other layers and every other parameter keep theirs):
 A layer whose input needs no gradient (it reads the data) would be skipped by the input-gradient
 pass altogether, leaving no ``g``: its input is given to it as a leaf that needs one, which the
 pass is asked for too (one product spent). A deferred weight used anywhere but in its own layer
-would lose that use's gradient, so the first training forward counts the graph's edges into
-each deferred parameter: more than its layer's calls is a use elsewhere, named by the error.
+would lose that use's gradient, so every training forward counts the graph's edges into each
+deferred parameter: more than its layer's calls is a use elsewhere, named by the error.
 """
 
 from __future__ import annotations
@@ -76,7 +76,6 @@ class DeferredWeights:
         # Told of each tensor kept for a weight step (True) and let go (False): what a
         # profiler counts as memory held (``benchmarks/pipe_bench.py``).
         self.observer: Callable[[torch.Tensor, bool], None] | None = None
-        self._checked = False
         self._hooks = []
         for layer in layers:
             self._hooks.append(layer.register_forward_pre_hook(self._before, with_kwargs=True))
@@ -90,12 +89,13 @@ class DeferredWeights:
         self._calls[key], self._leaves[key] = [], []
 
     def stop(self, outputs) -> None:
-        """That forward ended (``outputs``: what its backward starts from). The first one
-        checks that deferred parameters are used by their own layers only."""
+        """That forward ended (``outputs``: what its backward starts from). Each one checks
+        that deferred parameters are used by their own layers only (a model may branch
+        differently per micro-batch; the walk over the graph takes about 0.5 ms for a stage of
+        the 42M GPT, 0.07% of its step)."""
         key, self._key = self._key, None
-        if not self._checked and key is not None:
+        if key is not None:
             self._check(outputs, self._calls[key])
-            self._checked = True
 
     def _before(self, layer, args, kwargs):
         if self._key is None or not torch.is_grad_enabled():
