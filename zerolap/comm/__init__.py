@@ -29,6 +29,7 @@ from zerolap.comm.collectives import (
     reduce_scatter,
     reduce_scatter_tensor,
     send,
+    through_group_device,
 )
 from zerolap.comm.debug import CollectiveMismatch
 from zerolap.comm.exchange import all_to_all, all_to_all_single, gather, scatter
@@ -119,4 +120,5 @@ __all__ = [
     "ring_reduce_scatter",
     "scatter",
     "send",
+    "through_group_device",
 ]

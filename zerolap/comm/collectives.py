@@ -327,3 +327,16 @@ def recv(tensor: torch.Tensor, src: int | None = None, group: Group = None, tag:
 
     launch("irecv", info, tensor, start, True, pairwise=True).wait()
     return works[0]._source_rank()
+
+
+def through_group_device(op: Callable, tensor: torch.Tensor, *, group: Group = None, **kwargs):
+    """``op``, an in-place collective such as ``broadcast`` or ``all_reduce``, on ``tensor``
+    wherever it lives: through a copy on the group's device when the backend cannot take it
+    there (a host tensor under NCCL: offloaded state, a model not moved to its GPU yet)."""
+    device = check_group("through_group_device", group).device()
+    if tensor.device == device:
+        op(tensor, group=group, **kwargs)
+        return
+    staged = tensor.to(device)
+    op(staged, group=group, **kwargs)
+    tensor.copy_(staged)

@@ -75,6 +75,10 @@ def init_distributed(
     _local_rank = launch.local_rank
     debug.configure_from_env()
     if torch_dist.is_initialized():
+        if torch_dist.get_backend() == "nccl":
+            # Created by the caller, who may not have chosen this rank's GPU: the engine's
+            # tensors and every small buffer for NCCL go to the local rank's.
+            torch.cuda.set_device(launch.local_rank)
         watchdog.start(
             torch_dist.get_rank(), torch_dist.get_world_size(), DEFAULT_TIMEOUT.total_seconds()
         )

@@ -641,13 +641,8 @@ class PipelineEngine(ZerolapEngine):
                 bucket = self.layout.buckets[slot.bucket]
                 start, end = bucket.chunk(rank) if chunked else (bucket.start, bucket.end)
                 position = self.layout.shard_position(slot.bucket, start) if chunked else 0
-                for part in self.grads.parts(start, end, position):
-                    if part.device == self.device:
-                        dist.all_reduce(part, group=group)
-                    else:  # offloaded to the host: reduced through the device
-                        staged = part.to(self.device)
-                        dist.all_reduce(staged, group=group)
-                        part.copy_(staged)
+                for part in self.grads.parts(start, end, position):  # some may be on the host
+                    dist.through_group_device(dist.all_reduce, part, group=group)
                 self.optimizer.delivered(slot.bucket)  # copies of it made earlier are stale
 
     def _aggregate(self, values: list[torch.Tensor], *, broadcast: bool, scalar: bool = True):

@@ -67,5 +67,5 @@ class GatheredParameters:
             return
         with torch.no_grad():
             for param in self.params:
-                if not is_sharded(param):
-                    dist.broadcast(param.data, src=self.modifier_rank)
+                if not is_sharded(param):  # a model not moved to its device yet, too
+                    dist.through_group_device(dist.broadcast, param.data, src=self.modifier_rank)

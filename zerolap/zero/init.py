@@ -40,6 +40,9 @@ class InitPartition:
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.src = dist.get_global_rank(group, 0) if group is not None else 0
+        # Shards live where the group communicates: the rank's GPU under NCCL (as DeepSpeed
+        # moves each parameter to its device), the host under gloo.
+        self.device = dist.buffer_device(group)
 
     def _chunk_numel(self, numel: int) -> int:
         return -(-numel // self.world_size)
@@ -57,7 +60,7 @@ class InitPartition:
         if is_sharded(param):
             return
         with torch.no_grad():
-            full = param.data if self.dtype is None else param.data.to(self.dtype)
+            full = param.data.to(device=self.device, dtype=self.dtype or param.dtype)
             if self.world_size > 1:
                 full = full.contiguous()
                 dist.broadcast(full, src=self.src, group=self.group)
