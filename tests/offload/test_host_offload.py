@@ -234,3 +234,22 @@ def test_a_skipped_step_with_the_step_on_the_host(ranks):
         got = ranks(2).run(with_a_nonfinite_step, stage, True)[0]
         assert got[1] == want[1] == 1
         assert _close(got[0], want[0]) == 0, stage
+
+
+def build_with_a_capturable_optimizer() -> str:
+    model = make_model()
+    client = torch.optim.AdamW(model.parameters(), capturable=True)
+    config = _config(2, opt={"device": "cpu"})
+    del config["optimizer"]
+    with apart():
+        try:
+            zerolap.initialize(model=model, optimizer=client, config=config)
+        except ValueError as err:
+            return str(err)
+    return "built"
+
+
+def test_a_capturable_client_optimizer_is_refused_by_name(ranks):
+    message = ranks(1).run(build_with_a_capturable_optimizer)[0]
+    assert message.startswith("offload_optimizer: param group 0 of the client's AdamW has ")
+    assert "capturable=True" in message

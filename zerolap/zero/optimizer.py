@@ -53,6 +53,17 @@ def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[int]]:
     return out
 
 
+def _check_steps_on_host(inner: torch.optim.Optimizer) -> None:
+    """A client optimizer built for CUDA graphs cannot step state held in host memory."""
+    for g, group in enumerate(inner.param_groups):
+        if group.get("capturable"):
+            raise ValueError(
+                f"offload_optimizer: param group {g} of the client's {type(inner).__name__} has "
+                "capturable=True (CUDA graphs), which cannot step state in host memory; build "
+                "it with capturable=False"
+            )
+
+
 def slot_groups(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]) -> list[int]:
     """For each parameter, the index of the client param group holding it (-1: none)."""
     where = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
@@ -183,6 +194,8 @@ class ZeroOptimizer:
         # any) in one tensor.
         swapped = swap.choose(self.sub_groups) if swap is not None else []
         moved = swapped if swap is not None or host is None else host.choose(self.sub_groups)
+        if host is not None and moved:
+            _check_steps_on_host(inner)
         self.host = host
         self.state_device = host.host if host is not None else self.store.device
         taken = {i for sg in swapped for i in sg.runs}
