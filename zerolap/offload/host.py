@@ -36,11 +36,12 @@ __all__ = ["HostGradients", "HostPlan"]
 
 @dataclass(frozen=True)
 class HostPlan:
-    """The optimizer's offloaded runs step in host memory, apart from ``device``."""
+    """Host memory apart from ``device``: where the optimizer's offloaded runs step
+    (``offload_optimizer``), or where stage 3's parameter shard lives (``offload_param``)."""
 
     device: torch.device  # the accelerator that trains
-    ratio: float  # offload_optimizer.ratio: the share of sub-groups moved (cpu)
-    pin: bool  # offload_optimizer.pin_memory, on a CUDA device
+    ratio: float  # offload_optimizer.ratio: the share of sub-groups moved (1 for parameters)
+    pin: bool  # the block's pin_memory, on a CUDA device
 
     @property
     def host(self) -> torch.device:
