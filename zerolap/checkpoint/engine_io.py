@@ -496,6 +496,7 @@ def _load_params(engine, params: SavedParams, names: list[str]) -> None:
                     params.fill(name, seg.param_start, seg.param_end, out)
             return
         store = engine.param_store
+        store.settle()  # no gather still reads the chunks written below
         rank = dist.get_rank(engine.group)
         for bucket in store.layout.buckets:
             start, end = bucket.chunk(rank)

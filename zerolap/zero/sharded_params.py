@@ -375,6 +375,10 @@ class ShardedParams:
         for unit, status in enumerate(self.status):
             if status == ParamStatus.GATHERING:
                 self.wait(unit)
+        if self.host is not None and self.device.type == "cuda":
+            # The host writes its shard next (a step in place, a checkpoint's values); a copy
+            # up from it may still be running (the wait above orders only the stream).
+            torch.cuda.current_stream(self.device).synchronize()
 
     def publish(self, *, frozen_too: bool = False) -> None:
         """After a step: gathered copies are stale. Sharded units are released (the next use
