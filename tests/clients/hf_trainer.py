@@ -16,7 +16,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, Trainer, TrainingArgu
 VOCAB = 128
 
 
-def ds_config(stage: int, *, optimizer: bool, tp: int = 1, tp_overlap: str = "off") -> dict:
+def ds_config(
+    stage: int, *, optimizer: bool, tp: int = 1, tp_overlap: str = "off", offload: bool = False
+) -> dict:
     config = {
         "bf16": {"enabled": "auto"},
         "fp16": {"enabled": "auto"},
@@ -36,6 +38,9 @@ def ds_config(stage: int, *, optimizer: bool, tp: int = 1, tp_overlap: str = "of
         "train_micro_batch_size_per_gpu": "auto",
         "wall_clock_breakdown": False,
     }
+    if offload:  # the Trainer documentation's ZeRO-3 offload blocks
+        for key in ("offload_optimizer", "offload_param"):
+            config["zero_optimization"][key] = {"device": "cpu", "pin_memory": True}
     if tp > 1:  # the Trainer calls deepspeed.tp_model_init, then initialize
         config["tensor_parallel"] = {"autotp_size": tp, "overlap": tp_overlap}
     if optimizer:  # else the Trainer hands its own torch optimizer to initialize()
@@ -80,6 +85,11 @@ def main() -> None:
     parser.add_argument("--ds-optimizer", action="store_true")
     parser.add_argument("--tp", type=int, default=1, help="tensor_parallel.autotp_size")
     parser.add_argument("--tp-overlap", default="off", help="tensor_parallel.overlap")
+    parser.add_argument(
+        "--offload-apart",
+        action="store_true",
+        help="offload to host memory as from an accelerator (the CPU stands in for one)",
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume")
     parser.add_argument("--init-out", help="save the initial weights here (save_pretrained)")
@@ -102,7 +112,11 @@ def main() -> None:
         dataloader_num_workers=0,
         seed=0,
         deepspeed=ds_config(
-            args.stage, optimizer=args.ds_optimizer, tp=args.tp, tp_overlap=args.tp_overlap
+            args.stage,
+            optimizer=args.ds_optimizer,
+            tp=args.tp,
+            tp_overlap=args.tp_overlap,
+            offload=args.offload_apart,
         )
         if args.stage >= 0
         else None,
@@ -114,6 +128,10 @@ def main() -> None:
         import deepspeed
 
         deepspeed.init_distributed()
+    if args.offload_apart:  # this host's memory stands apart from a pretend accelerator
+        import zerolap.offload
+
+        zerolap.offload.apart_from_host = lambda device: True
     torch.manual_seed(0)
     if args.model:
         model = AutoModelForCausalLM.from_pretrained(args.model)
@@ -143,6 +161,8 @@ def main() -> None:
         "tensor_parallel": getattr(trainer.model_wrapped, "mp_world_size", 1),
         "data_parallel": getattr(trainer.model_wrapped, "dp_world_size", None),
     }
+    if args.offload_apart:  # zerolap's engine (real DeepSpeed has no memory_breakdown)
+        result["host_bytes"] = trainer.model_wrapped.memory_breakdown().host_bytes
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.result, "w") as f:
             json.dump(result, f)

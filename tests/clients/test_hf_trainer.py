@@ -51,6 +51,7 @@ def runs(tmp_path_factory):
         "gpt2 plain": gpt2_model,
         "gpt2 stage 2": [*gpt2_model, "--stage", "2", "--ds-optimizer"],
         "gpt2 stage 3": [*gpt2_model, "--stage", "3"],
+        "gpt2 stage 3 offload": [*gpt2_model, "--stage", "3", "--offload-apart"],
         "gpt2 stage 3 resumed": [
             *gpt2_model, "--stage", "3", "--resume", checkpoint["gpt2 stage 3"]
         ],
@@ -112,6 +113,17 @@ def test_stage_3_from_pretrained_trains_as_plain_ddp(runs):
     assert zero3["sharded_at_build"]  # from_pretrained ran under zero.Init
     _close(zero3["losses"], plain["losses"], range(1, 5))
     _close(zero3["evals"], plain["evals"], (2, 4))
+
+
+def test_stage_3_with_the_documented_offload_blocks_trains_as_plain_ddp(runs):
+    """The Trainer documentation's ZeRO-3 config with ``offload_optimizer`` and
+    ``offload_param`` on ``cpu``, run as from an accelerator (master, Adam state, gradient and
+    parameter shards in host memory apart from the training device), with the Trainer's own
+    optimizer."""
+    offloaded, plain = runs("gpt2 stage 3 offload"), runs("gpt2 plain")
+    assert offloaded["host_bytes"] > 0  # the state really moved
+    _close(offloaded["losses"], plain["losses"], range(1, 5))
+    _close(offloaded["evals"], plain["evals"], (2, 4))
 
 
 def test_stage_3_resume_continues_the_run(runs):
