@@ -78,6 +78,7 @@ def _config(stage: int, offload: bool, batch: int) -> dict:
     return {
         "train_micro_batch_size_per_gpu": batch,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,  # plain does not clip (DeepSpeed 0.19.8 defaults to 1.0)
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
         "zero_optimization": zero,
