@@ -213,7 +213,12 @@ class ZeroOptimizer:
         self.swap_master = any(self.apart[i] for i in taken)
         stepped_on_host = [i for i in on_host if i not in taken]
         self._taken = taken
-        self.host_master = self._make_host_master([i for i in stepped_on_host if self.apart[i]])
+        # The host master holds the runs stepped on the host apart from their parameters: the
+        # last ones, a suffix of the shard positions from ``_host_base``.
+        with_master = [i for i in stepped_on_host if self.apart[i]]
+        self._host_runs = frozenset(with_master)
+        self._host_base = self.positions[with_master[0]] if with_master else 0
+        self.host_master = self._make_host_master(with_master)
         self.views = [self._value_view(i, i in taken) for i in range(len(self.runs))]
         # The offloaded runs' gradients: kept on the host by a sharded store, or else copied
         # down from where the reductions leave them (``host.gradients``).
@@ -261,12 +266,9 @@ class ZeroOptimizer:
         return torch.zeros(numel, dtype=torch.float32, device=self.store.device)
 
     def _make_host_master(self, runs: list[int]) -> torch.Tensor | None:
-        """The fp32 master values of the runs stepped in host memory (the last ones: a
-        suffix of the shard positions)."""
-        self._host_runs = set(runs)
+        """The fp32 master values of ``runs``, stepped in host memory."""
         if not runs:
             return None
-        self._host_base = self.positions[runs[0]]
         last = runs[-1]
         end = self.positions[last] + self.runs[last].end - self.runs[last].start
         return self.host.empty(end - self._host_base, torch.float32)
@@ -280,7 +282,7 @@ class ZeroOptimizer:
             return self.store.owned_view(run, pos)
         if swapped:
             return torch.empty(0, dtype=torch.float32, device=self.state_device)
-        if self.host_master is not None and i in self._host_runs:
+        if i in self._host_runs:
             return self.host_master[
                 pos - self._host_base : pos - self._host_base + run.end - run.start
             ]
