@@ -192,7 +192,10 @@ class ShardGradients:
             if copied is not None:  # a copy down may still be reading it
                 torch.cuda.current_stream(full.device).wait_event(copied)
         else:
-            full = torch.empty(self._buffer_numel, dtype=self.comm_dtype, device=self.device)
+            # Zeroed once, so that all its pages are resident from the start: the memory a run
+            # holds does not then depend on which buckets happened to take which buffer (a
+            # small bucket touches a few pages of a buffer sized for the largest).
+            full = torch.zeros(self._buffer_numel, dtype=self.comm_dtype, device=self.device)
             self._allocated += 1
         self._unwritten[bucket.index] = set(bucket.layout.slots)
         return full[: bucket.layout.numel]
