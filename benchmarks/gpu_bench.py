@@ -2,7 +2,8 @@
 what offload to host memory costs and saves (issue 14's and issue 11's GPU figures).
 
 Run from the repo root: ``python benchmarks/gpu_bench.py [--model gpt2|42m|small] [--batch 8]
-[--steps 20] [--warmup 5] [--rounds 2] [--systems NAME...]``.
+[--steps 20] [--warmup 5] [--rounds 2] [--systems NAME...] [--budget-s S]``; on a lent GPU,
+``benchmarks/gpu_check.sh`` runs it after the CUDA tests.
 
 Every row trains the same GPT (``zerolap/demo/gpt.py``; ``gpt2`` is GPT-2 small's shape: 12
 layers, d_model 768, 12 heads, 1024 tokens, vocabulary 50,304, 124M parameters) from the same
@@ -193,6 +194,13 @@ def _parse(argv):
     parser.add_argument("--rounds", type=int, default=2)
     default = [s for s in SYSTEMS if not s.startswith("ds")]
     parser.add_argument("--systems", nargs="+", default=default, choices=list(SYSTEMS))
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no row after this many seconds (a lent GPU's time is short); the table "
+        "then holds the rows measured so far",
+    )
     return parser.parse_args(argv)
 
 
@@ -201,16 +209,27 @@ def main(argv: list[str] | None = None) -> int:
     systems = args.systems if "plain" in args.systems else ["plain", *args.systems]
     runs: dict[str, list[Row]] = {name: [] for name in systems}
     errors: dict[str, str] = {}
+    began = time.monotonic()
     for rnd in range(args.rounds):
         order = systems if rnd % 2 == 0 else list(reversed(systems))
         for name in order:
             if name in errors:
                 continue
+            if args.budget_s is not None and time.monotonic() - began > args.budget_s:
+                break
             try:
                 row = spawn(1, _row, (name, args.model, args.batch, args.steps, args.warmup))[0]
                 runs[name].append(row)
             except RuntimeError as err:
                 errors[name] = str(err).strip().splitlines()[-1]
+                print(f"round {rnd + 1}, {name}: failed: {errors[name]}", flush=True)
+                continue
+            # Each row as it ends: what a call cut short by its limit still brings back.
+            print(
+                f"round {rnd + 1}, {name}: {statistics.median(row.step_s) * 1e3:.1f} ms, peak "
+                f"{row.peak_device_bytes / MIB:.0f} MiB on {row.device}",
+                flush=True,
+            )
     plain = runs["plain"]
     if not plain:
         print(f"plain PyTorch failed: {errors['plain']}")
@@ -218,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     base = statistics.median(s for row in plain for s in row.step_s)
     print(
         f"{args.model}, batch {args.batch}, bf16, world 1 on {plain[0].device}; median of "
-        f"{args.steps} steps x {args.rounds} rounds after {args.warmup} warm-up steps"
+        f"{args.steps} steps x up to {args.rounds} rounds after {args.warmup} warm-up steps"
     )
     print(f"{'system':8} {'step':>9} {'vs plain':>9} {'target':>7} {'peak device':>12} "
           f"{'peak RSS':>9} {'loss diff':>10}")  # fmt: skip
@@ -227,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:8} failed: {errors[name]}")
             continue
         rows = runs[name]
+        if not rows:
+            print(f"{name:8} not run: --budget-s {args.budget_s:.0f} spent")
+            continue
         step = statistics.median(s for row in rows for s in row.step_s)
         framework, stage, offload = SYSTEMS[name]
         target = f"{TARGET[stage]:.2f}x" if framework == "zerolap" and not offload else ""

@@ -49,7 +49,8 @@ def _config(stage, *, dtype=None, opt=None, param=None, sub_group=100, micro=MIC
 def _train(engine, steps: range, micro: int = MICRO, gas: int = GAS) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     for step in steps:
-        tokens, targets = global_batch(step, MICRO * GAS * 2)  # the same samples at any world size
+        # The same samples at any world size, on the engine's device.
+        tokens, targets = (t.to(engine.device) for t in global_batch(step, MICRO * GAS * 2))
         per_rank = len(tokens) // world
         for m in range(gas):
             lo = rank * per_rank + m * micro
@@ -61,7 +62,7 @@ def _train(engine, steps: range, micro: int = MICRO, gas: int = GAS) -> None:
 def _params(engine) -> list[torch.Tensor]:
     params = list(engine.module.parameters())
     with zerolap.zero.GatheredParameters(params):
-        return [p.detach().float().clone() for p in params]
+        return [p.detach().float().cpu().clone() for p in params]
 
 
 def _run(config) -> tuple[list[torch.Tensor], dict, object, int]:
@@ -80,15 +81,24 @@ def _mine(directory: str) -> list[str]:
     return [n for n in os.listdir(directory) if f"rank{dist.get_rank()}-" in n]
 
 
-def differences(name: str, got, want) -> list[str]:
-    """What differs between two runs' (parameters, optimizer state), which must be equal bit
-    for bit."""
+def differences(name: str, got, want, rtol: float = 0.0) -> list[str]:
+    """What differs between two runs' (parameters, optimizer state): bit for bit, or with
+    ``rtol`` by more than that share of the wanted tensor's largest magnitude (steps taken by
+    another device's kernels)."""
+
+    def same(a, b) -> bool:
+        a, b = torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu()
+        if not rtol:
+            return torch.equal(a, b)
+        a, b = a.double(), b.double()
+        return a.shape == b.shape and bool((a - b).abs().max() <= rtol * b.abs().max())
+
     out = []
-    if not all(torch.equal(g, w) for g, w in zip(got[0], want[0], strict=True)):
+    if not all(same(g, w) for g, w in zip(got[0], want[0], strict=True)):
         out.append(f"{name}: parameters differ by {_close(got[0], want[0])}")
     for k, entry in want[1].items():
         for key, value in entry.items():
-            if not torch.equal(torch.as_tensor(got[1][k][key]), torch.as_tensor(value)):
+            if not same(got[1][k][key], value):
                 out.append(f"{name}: state {k}.{key} differs")
     return out
 

@@ -126,16 +126,17 @@ def check_embedding_and_loss() -> None:
     close(split.weight.grad, _slice(embedding.weight.grad, 0), "tied embedding grad")
 
 
-def check_fused_gpt_attention(overlap: str, batch: int) -> list[torch.Tensor]:
-    """A whole demo GPT, dense against auto-parallelized: equal loss and gradients."""
+def check_fused_gpt_attention(overlap: str, batch: int, device: str = "cpu") -> list[torch.Tensor]:
+    """A whole demo GPT, dense against auto-parallelized, both on ``device``: equal loss and
+    gradients; the loss, on the CPU."""
     from zerolap.demo.gpt import GPT, GPTConfig, synthetic_batch
 
     cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=4, d_model=16)
     torch.manual_seed(0)
-    dense = GPT(cfg)
+    dense = GPT(cfg).to(device)
     torch.manual_seed(0)
-    model = parallelize(GPT(cfg), None, overlap=overlap)
-    tokens, targets = synthetic_batch(cfg, batch, seed=4)
+    model = parallelize(GPT(cfg), None, overlap=overlap).to(device)
+    tokens, targets = (t.to(device) for t in synthetic_batch(cfg, batch, seed=4))
     dense(tokens, targets).backward()
     loss = model(tokens, targets)
     close(loss, dense(tokens, targets).detach(), "GPT loss")
@@ -147,7 +148,7 @@ def check_fused_gpt_attention(overlap: str, batch: int) -> list[torch.Tensor]:
         if split is not None:
             expected = split.take(expected)
         close(param.grad, expected, f"GPT grad {name}")
-    return [loss.detach()]
+    return [loss.detach().cpu()]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

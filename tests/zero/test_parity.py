@@ -12,6 +12,7 @@ import torch
 import zerolap
 import zerolap.comm as dist
 from tests.zero.models import global_batch, loss_fn, make_model
+from zerolap.accelerator import get_accelerator
 
 STEPS = 3
 MICRO = 2
@@ -30,27 +31,28 @@ CONFIGS = [
 ]
 
 
-def reference_params(gas: int, world: int, clip: float) -> list[torch.Tensor]:
-    model = make_model()
+def reference_params(gas: int, world: int, clip: float, device="cpu") -> list[torch.Tensor]:
+    model = make_model().to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
     for step in range(STEPS):
-        tokens, targets = global_batch(step, MICRO * gas * world)
+        tokens, targets = (t.to(device) for t in global_batch(step, MICRO * gas * world))
         opt.zero_grad(set_to_none=False)  # flat buffers give unused params zero grads
         loss_fn(model(tokens, use_sometimes=step % 2 == 0), targets).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+    return [p.detach().cpu().clone() for p in model.parameters()]
 
 
 def full_params(engine) -> list[torch.Tensor]:
-    """The engine's parameters, whole (gathered under stage 3)."""
+    """The engine's parameters, whole (gathered under stage 3), on the CPU."""
     params = list(engine.module.parameters())
     with zerolap.zero.GatheredParameters(params):
-        return [p.detach().clone() for p in params]
+        return [p.detach().cpu().clone() for p in params]
 
 
 def train_engine(stage, reduce_scatter, overlap, gas, clip, persist) -> list[torch.Tensor]:
+    """The engine's parameters after ``STEPS`` steps, trained on its device."""
     rank, world = dist.get_rank(), dist.get_world_size()
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
@@ -67,7 +69,7 @@ def train_engine(stage, reduce_scatter, overlap, gas, clip, persist) -> list[tor
     }
     engine, *_ = zerolap.initialize(model=make_model(), config=config)
     for step in range(STEPS):
-        tokens, targets = global_batch(step, MICRO * gas * world)
+        tokens, targets = (t.to(engine.device) for t in global_batch(step, MICRO * gas * world))
         for micro in range(gas):
             # Global sample order: micro-batch m of rank r is block (m * world + r).
             lo = (micro * world + rank) * MICRO
@@ -79,10 +81,12 @@ def train_engine(stage, reduce_scatter, overlap, gas, clip, persist) -> list[tor
 
 
 def check_parity() -> list[str]:
+    """Each config against one process on the same device (on a GPU, its kernels both)."""
     failures = []
+    device = get_accelerator().current_device_name()
     for cfg in CONFIGS:
         got = train_engine(**cfg)
-        want = reference_params(cfg["gas"], dist.get_world_size(), cfg["clip"])
+        want = reference_params(cfg["gas"], dist.get_world_size(), cfg["clip"], device)
         worst = max((g - w).abs().max().item() for g, w in zip(got, want, strict=True))
         if worst > 1e-5:
             failures.append(f"{cfg}: max |diff| {worst:.2e}")

@@ -1,0 +1,77 @@
+"""What runs only on a CUDA device, checked for values where there is one (skipped elsewhere; on
+a lent GPU, ``bash benchmarks/gpu_check.sh`` runs these first).
+
+The lent machines have one GPU, so ZeRO and offload run at world size 1 on NCCL: its stream
+for every collective, the side stream that copies reduced gradients down to pinned host memory,
+the events that gate the reused buffers, and ``non_blocking`` copies back up. Tensor
+parallelism needs two ranks: they share the GPU over gloo, which takes CUDA tensors for its
+all-reduces and orders them on CUDA streams (as NCCL does), so the backward overlap's
+all-reduce, started before the weight gradient and waited after it, runs on the device.
+The checks themselves are the CPU suite's (``tests.zero.test_parity``,
+``tests.offload.test_host_offload``, ``tests.tensor_parallel.test_layers``), given the device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multiproc import RankFailure, run_on_ranks
+from tests.offload.test_host_offload import check_host_step
+from tests.tensor_parallel.test_layers import check_fused_gpt_attention
+from tests.zero.test_parity import check_parity
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _joined(backend: str, fn, *args):
+    import zerolap.comm as dist
+
+    dist.init_distributed(dist_backend=backend, verbose=False)
+    return fn(*args)
+
+
+def on_gpu(fn, *args, world: int = 1, backend: str = "nccl", timeout: float = 120.0) -> list:
+    """``fn(*args)`` on ``world`` fresh processes, every one on GPU 0, joined by ``backend``."""
+
+    def env(rank: int, port: int) -> dict[str, str]:
+        return {
+            "DS_ACCELERATOR": "cuda",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world),
+            "LOCAL_RANK": "0",
+            "LOCAL_WORLD_SIZE": "1",
+        }
+
+    return run_on_ranks(_joined, world, backend, fn, *args, env=env, init=False, timeout=timeout)
+
+
+def test_stages_equal_one_process_on_the_gpu():
+    """Stages 0-3, overlap on and off, accumulation and clipping, against plain PyTorch on the
+    same GPU."""
+    failures = on_gpu(check_parity)[0]
+    assert failures == [], "\n".join(failures)
+
+
+def test_host_step_equals_the_device_step(tmp_path):
+    """``offload_optimizer`` / ``offload_param`` on cpu and nvme from the GPU, at stages 1-3
+    in fp32, bf16 and fp16, against the same runs stepped on the GPU; nothing of the offloaded
+    state left on it."""
+    failures = on_gpu(check_host_step, str(tmp_path), False, timeout=180)[0]
+    assert failures == [], "\n".join(failures)
+
+
+def test_tensor_parallel_backward_overlap_on_the_gpu():
+    """TP 2 on one GPU: the demo GPT equals the dense one, and overlapping the backward
+    all-reduces changes no bit; the full overlap (lanes on threads) is refused there."""
+    losses = {
+        overlap: on_gpu(check_fused_gpt_attention, overlap, 5, "cuda", world=2, backend="gloo")
+        for overlap in ("off", "backward")
+    }
+    assert all(
+        torch.equal(a, b) for a, b in zip(losses["off"][0], losses["backward"][0], strict=True)
+    )
+    with pytest.raises(RankFailure, match="runs on cuda"):
+        on_gpu(check_fused_gpt_attention, "full", 5, "cuda", world=2, backend="gloo")
