@@ -9,6 +9,8 @@ step)."""
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 
 import torch
 
@@ -29,6 +31,7 @@ from tests.offload.test_offload_training import (
 from tests.pipe.test_engine import train as train_pipeline
 from tests.zero.models import global_batch, loss_fn, make_model
 from zerolap.config.zero import ZeroConfig
+from zerolap.zero import grad_storage
 
 STEPS = 3
 
@@ -121,6 +124,34 @@ def check_host_step(directory: str, exact: bool = True) -> list[str]:
 def test_host_step_equals_the_device_step_bitwise(ranks, tmp_path):
     failures = ranks(2).run(check_host_step, str(tmp_path), timeout=400)
     assert failures == [[], []], failures
+
+
+def check_later_rounds_added_off_the_backward() -> list[str]:
+    """Stage 2 with accumulation: the second micro-batch's chunks are added to the host part
+    on the adding thread, here made slow (as a copy down still under way would make it); the
+    step must still see every addition."""
+    threads: list[str] = []
+    real = grad_storage._add_arrived
+
+    def slow(target, staged, copied) -> None:
+        time.sleep(0.02)
+        threads.append(threading.current_thread().name)
+        real(target, staged, copied)
+
+    grad_storage._add_arrived = slow
+    try:
+        want, want_state, *_ = _run(_config(2), host=False)
+        got, got_state, *_ = _run(_config(2, opt=CPU), host=True)
+    finally:
+        grad_storage._add_arrived = real
+    failures = differences("slow additions", (got, got_state), (want, want_state))
+    if not threads or any(not name.startswith("zerolap-host-add") for name in threads):
+        failures.append(f"additions made on {sorted(set(threads))}")
+    return failures
+
+
+def test_later_rounds_are_added_off_the_backward(ranks):
+    assert ranks(2).run(check_later_rounds_added_off_the_backward) == [[], []]
 
 
 # -- checkpoints --------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ Two kinds, chosen once per ZeRO stage:
   gradients is a few bucket buffers, whatever the model's size. With optimizer offload from an
   accelerator, the shard's tail (the elements the host steps) lives in host memory
   (``place_on_host``): each reduced chunk is copied down as it is delivered, on a side stream,
-  so the device keeps no gradient of those elements past their reduction.
+  so the device keeps no gradient of those elements past their reduction. A later round's chunk
+  (accumulation) is copied down to a pinned staging buffer the same way and added to the host
+  part on a thread once it has arrived, so backward never waits for the device.
 
 Rules both follow:
 * Every gradient is multiplied by the reduction's pre factor (``reductions.scale_factors``) as
@@ -25,6 +27,9 @@ Rules both follow:
 """
 
 from __future__ import annotations
+
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -142,6 +147,12 @@ class FullGradients:
         return 0  # buckets are regions of the flat buffer
 
 
+def _add_arrived(target: torch.Tensor, staged: torch.Tensor, copied) -> None:
+    if copied is not None:
+        copied.synchronize()
+    target.add_(staged)
+
+
 class ShardGradients:
     def __init__(
         self,
@@ -168,6 +179,8 @@ class ShardGradients:
         self.host_from = layout.shard_numel  # shard positions from here on live on the host
         self.host_shard: torch.Tensor | None = None
         self._stream = None  # the side stream of the copies down (CUDA)
+        self._adder: ThreadPoolExecutor | None = None  # later rounds' additions on the host
+        self._adds: deque[Future] = deque()  # those not yet waited for, oldest first
         self._host_written: set[int] = set()  # buckets whose host part holds this cycle's sum
         self._allocated = 0
         self.max_buffers = max_buffers  # beyond this, the reducer finishes a bucket first
@@ -242,24 +255,44 @@ class ShardGradients:
         ``piece``. Returns the event the copy down completes at (None if it is done)."""
         at = position - self.host_from
         target = self.host_shard[at : at + piece.numel()]
-        if bucket in self._host_written:
-            # A later round (accumulation, late gradients): added on the host once the copies
-            # before it arrived. It waits for the device, inside backward: with accumulation,
-            # offload costs a stall per bucket and micro-batch after the first.
-            self._wait_copies()
-            target.add_(piece.to(target.device))
-            return None
+        first = bucket not in self._host_written
         self._host_written.add(bucket)
-        if self._stream is None:
-            target.copy_(piece)
+        if self._stream is None:  # host tensors on both sides
+            if first:
+                target.copy_(piece)
+            else:
+                self._add_later(target, piece.clone(), None)  # the piece's buffer is reused
             return None
         self._stream.wait_stream(torch.cuda.current_stream(piece.device))
         with torch.cuda.stream(self._stream):
-            target.copy_(piece, non_blocking=True)
+            if first:
+                target.copy_(piece, non_blocking=True)
+            else:
+                # Pinned whatever the block's pin_memory says: a copy to pageable memory
+                # would hold this thread until the device got there.
+                staged = torch.empty(piece.shape, dtype=piece.dtype, pin_memory=True)
+                staged.copy_(piece, non_blocking=True)
         piece.record_stream(self._stream)  # its memory is not reused before the copy is done
-        return self._stream.record_event()
+        copied = self._stream.record_event()
+        if not first:
+            self._add_later(target, staged, copied)
+        return copied
+
+    def _add_later(self, target: torch.Tensor, staged: torch.Tensor, copied) -> None:
+        """A later round (accumulation, late gradients): ``target += staged`` on the adding
+        thread once the copy down (event ``copied``) has arrived. One thread, so each place's
+        additions happen in the order of the rounds; at most two wait, which bounds the
+        staging memory to two chunks."""
+        if self._adder is None:
+            self._adder = ThreadPoolExecutor(1, thread_name_prefix="zerolap-host-add")
+        while len(self._adds) >= 2:
+            self._adds.popleft().result()
+        self._adds.append(self._adder.submit(_add_arrived, target, staged, copied))
 
     def _wait_copies(self) -> None:
+        """Every copy down arrived and every addition made (an addition's error raised)."""
+        while self._adds:
+            self._adds.popleft().result()
         if self._stream is not None:
             self._stream.synchronize()
 
@@ -282,6 +315,7 @@ class ShardGradients:
 
     def begin_cycle(self) -> None:
         self.shard.zero_()
+        self._wait_copies()  # nothing of the last cycle lands in this one
         self._host_written.clear()  # the host part is overwritten by each bucket's first round
 
     def settle(self) -> None:
