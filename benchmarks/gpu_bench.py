@@ -2,8 +2,8 @@
 what offload to host memory costs and saves (issue 14's and issue 11's GPU figures).
 
 Run from the repo root: ``python benchmarks/gpu_bench.py [--model gpt2|42m|small] [--batch 8]
-[--steps 20] [--warmup 5] [--rounds 2] [--systems NAME...] [--budget-s S]``; on a lent GPU,
-``benchmarks/gpu_check.sh`` runs it after the CUDA tests.
+[--gas 1] [--steps 20] [--warmup 5] [--rounds 2] [--systems NAME...] [--budget-s S]``; on a
+lent GPU, ``benchmarks/gpu_check.sh`` runs it after the CUDA tests.
 
 Every row trains the same GPT (``zerolap/demo/gpt.py``; ``gpt2`` is GPT-2 small's shape: 12
 layers, d_model 768, 12 heads, 1024 tokens, vocabulary 50,304, 124M parameters) from the same
@@ -70,7 +70,7 @@ class Row:
     device: str
 
 
-def _config(stage: int, offload: bool, batch: int) -> dict:
+def _config(stage: int, offload: bool, batch: int, gas: int) -> dict:
     zero: dict = {"stage": stage}
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
@@ -78,7 +78,7 @@ def _config(stage: int, offload: bool, batch: int) -> dict:
             zero["offload_param"] = {"device": "cpu", "pin_memory": True}
     return {
         "train_micro_batch_size_per_gpu": batch,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": gas,
         "gradient_clipping": 0.0,  # plain does not clip (DeepSpeed 0.19.8 defaults to 1.0)
         "bf16": {"enabled": True},
         "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WEIGHT_DECAY}},
@@ -98,31 +98,45 @@ class _Plain:
             self.master, lr=LR, weight_decay=WEIGHT_DECAY, fused=True
         )
 
-    def train_step(self, tokens, targets) -> float:
-        loss = self.model(tokens, targets)
-        loss.backward()
+    def train_step(self, micro_batches) -> float:
+        losses = []
+        for tokens, targets in micro_batches:
+            loss = self.model(tokens, targets)
+            (loss / len(micro_batches)).backward()  # the engines' scaling by 1 / gas
+            losses.append(loss.item())
         for p, m in zip(self.params, self.master, strict=True):
             m.grad = p.grad.float()
             p.grad = None
         self.optimizer.step()
         with self.torch.no_grad():
             self.torch._foreach_copy_(self.params, self.master)
-        return loss.item()
+        return sum(losses) / len(losses)
 
 
 class _Engine:
     def __init__(self, engine) -> None:
         self.engine = engine
 
-    def train_step(self, tokens, targets) -> float:
-        loss = self.engine(tokens, targets)
-        self.engine.backward(loss)
-        self.engine.step()
-        return loss.item()
+    def train_step(self, micro_batches) -> float:
+        losses = []
+        for tokens, targets in micro_batches:
+            loss = self.engine(tokens, targets)
+            self.engine.backward(loss)
+            self.engine.step()  # steps at the last micro-batch
+            losses.append(loss.item())
+        return sum(losses) / len(losses)
 
 
 def _row(
-    rank: int, system: str, model_name: str, batch: int, steps: int, warmup: int, port, results
+    rank: int,
+    system: str,
+    model_name: str,
+    batch: int,
+    gas: int,
+    steps: int,
+    warmup: int,
+    port,
+    results,
 ):
     import os
 
@@ -130,14 +144,14 @@ def _row(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     try:
-        results.put((rank, True, _measure(system, model_name, batch, steps, warmup)))
+        results.put((rank, True, _measure(system, model_name, batch, gas, steps, warmup)))
     except BaseException:
         import traceback
 
         results.put((rank, False, traceback.format_exc()))
 
 
-def _measure(system: str, model_name: str, batch: int, steps: int, warmup: int) -> Row:
+def _measure(system: str, model_name: str, batch: int, gas: int, steps: int, warmup: int) -> Row:
     import torch
 
     from zerolap.demo.gpt import GPT, GPTConfig, synthetic_batch
@@ -162,17 +176,20 @@ def _measure(system: str, model_name: str, batch: int, steps: int, warmup: int) 
         engine, *_ = deepspeed.initialize(
             model=model,
             model_parameters=model.parameters(),
-            config=_config(stage, offload, batch),
+            config=_config(stage, offload, batch, gas),
         )
         trainer = _Engine(engine)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     step_s, losses = [], []
     for step in range(warmup + steps):
-        tokens, targets = (t.to(device) for t in synthetic_batch(cfg, batch, seed=step))
+        micro_batches = [
+            tuple(t.to(device) for t in synthetic_batch(cfg, batch, seed=step * gas + m))
+            for m in range(gas)
+        ]
         sync()
         start = time.perf_counter()
-        losses.append(trainer.train_step(tokens, targets))
+        losses.append(trainer.train_step(micro_batches))
         sync()
         if step >= warmup:
             step_s.append(time.perf_counter() - start)
@@ -188,7 +205,8 @@ def _measure(system: str, model_name: str, batch: int, steps: int, warmup: int) 
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gpt2", choices=list(MODELS))
-    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=8, help="micro-batch size")
+    parser.add_argument("--gas", type=int, default=1, help="micro-batches per step")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
@@ -218,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.budget_s is not None and time.monotonic() - began > args.budget_s:
                 break
             try:
-                row = spawn(1, _row, (name, args.model, args.batch, args.steps, args.warmup))[0]
+                job = (name, args.model, args.batch, args.gas, args.steps, args.warmup)
+                row = spawn(1, _row, job)[0]
                 runs[name].append(row)
             except RuntimeError as err:
                 errors[name] = str(err).strip().splitlines()[-1]
@@ -236,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     base = statistics.median(s for row in plain for s in row.step_s)
     print(
-        f"{args.model}, batch {args.batch}, bf16, world 1 on {plain[0].device}; median of "
+        f"{args.model}, micro-batch {args.batch} x {args.gas}, bf16, world 1 on "
+        f"{plain[0].device}; median of "
         f"{args.steps} steps x up to {args.rounds} rounds after {args.warmup} warm-up steps"
     )
     print(f"{'system':8} {'step':>9} {'vs plain':>9} {'target':>7} {'peak device':>12} "
