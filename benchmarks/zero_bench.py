@@ -476,10 +476,10 @@ def _spawn(spec: RunSpec, system: System) -> list[RankResult]:
     return spawn(spec.world_size, _rank_main, (spec, system))
 
 
-def spawn(world_size: int, target: Callable, args: tuple) -> list:
+def spawn(world_size: int, target: Callable, args: tuple, timeout: float = TIMEOUT_S) -> list:
     """``target(rank, *args, port, results)`` on ``world_size`` fresh processes, each putting
     ``(rank, ok, value)`` on ``results``; the values in rank order, or a RuntimeError naming
-    the rank that failed, died or gave no answer within ``TIMEOUT_S``."""
+    the rank that failed, died or gave no answer within ``timeout`` seconds."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
@@ -490,7 +490,7 @@ def spawn(world_size: int, target: Callable, args: tuple) -> list:
     for proc in procs:
         proc.start()
     answers: dict = {}
-    deadline = time.monotonic() + TIMEOUT_S
+    deadline = time.monotonic() + timeout
     try:
         while len(answers) < world_size:
             try:
@@ -498,7 +498,7 @@ def spawn(world_size: int, target: Callable, args: tuple) -> list:
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in answers and not p.is_alive()]
                 if dead or time.monotonic() > deadline:
-                    what = f"ranks {dead} exited" if dead else f"no answer in {TIMEOUT_S:.0f}s"
+                    what = f"ranks {dead} exited" if dead else f"no answer in {timeout:.0f}s"
                     raise RuntimeError(what) from None
                 continue
             if not ok:

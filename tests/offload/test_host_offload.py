@@ -12,6 +12,7 @@ import contextlib
 import threading
 import time
 
+import pytest
 import torch
 
 import zerolap
@@ -31,7 +32,7 @@ from tests.offload.test_offload_training import (
 from tests.pipe.test_engine import train as train_pipeline
 from tests.zero.models import global_batch, loss_fn, make_model
 from zerolap.config.zero import ZeroConfig
-from zerolap.zero import grad_storage
+from zerolap.offload import host as host_offload
 
 STEPS = 3
 
@@ -131,19 +132,19 @@ def check_later_rounds_added_off_the_backward() -> list[str]:
     on the adding thread, here made slow (as a copy down still under way would make it); the
     step must still see every addition."""
     threads: list[str] = []
-    real = grad_storage._add_arrived
+    real = host_offload._add_arrived
 
-    def slow(target, staged, copied) -> None:
+    def slow(*args) -> None:
         time.sleep(0.02)
         threads.append(threading.current_thread().name)
-        real(target, staged, copied)
+        real(*args)
 
-    grad_storage._add_arrived = slow
+    host_offload._add_arrived = slow
     try:
         want, want_state, *_ = _run(_config(2), host=False)
         got, got_state, *_ = _run(_config(2, opt=CPU), host=True)
     finally:
-        grad_storage._add_arrived = real
+        host_offload._add_arrived = real
     failures = differences("slow additions", (got, got_state), (want, want_state))
     if not threads or any(not name.startswith("zerolap-host-add") for name in threads):
         failures.append(f"additions made on {sorted(set(threads))}")
@@ -152,6 +153,28 @@ def check_later_rounds_added_off_the_backward() -> list[str]:
 
 def test_later_rounds_are_added_off_the_backward(ranks):
     assert ranks(2).run(check_later_rounds_added_off_the_backward) == [[], []]
+
+
+def test_host_additions_stage_in_parts_in_order(monkeypatch):
+    """Pieces larger than a staging buffer go in parts through the two buffers; the sums are
+    those of adding in place, in order; a failed addition is raised by ``wait`` once the others
+    have run."""
+    monkeypatch.setattr(host_offload, "STAGING_NUMEL", 7)
+    additions = host_offload.HostAdditions(None, torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    pieces = [torch.randn(20, generator=generator) for _ in range(5)]
+    target, want = torch.zeros(20), torch.zeros(20)
+    for piece in pieces:
+        additions.add(target, piece)
+        want += piece
+    additions.wait()
+    assert torch.equal(target, want)
+    additions.add(target[:3], torch.ones(4))  # does not fit its target
+    additions.add(target, pieces[0])
+    with pytest.raises(RuntimeError):
+        additions.wait()
+    assert torch.equal(target, want + pieces[0])
+    additions.close()
 
 
 # -- checkpoints --------------------------------------------------------------------------------

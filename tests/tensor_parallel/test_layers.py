@@ -128,7 +128,7 @@ def check_embedding_and_loss() -> None:
 
 def check_fused_gpt_attention(overlap: str, batch: int, device: str = "cpu") -> list[torch.Tensor]:
     """A whole demo GPT, dense against auto-parallelized, both on ``device``: equal loss and
-    gradients; the loss, on the CPU."""
+    gradients; the loss and the parallel model's gradients, on the CPU."""
     from zerolap.demo.gpt import GPT, GPTConfig, synthetic_batch
 
     cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=4, d_model=16)
@@ -148,7 +148,7 @@ def check_fused_gpt_attention(overlap: str, batch: int, device: str = "cpu") -> 
         if split is not None:
             expected = split.take(expected)
         close(param.grad, expected, f"GPT grad {name}")
-    return [loss.detach().cpu()]
+    return [loss.detach().cpu()] + [p.grad.cpu() for p in model.parameters()]
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

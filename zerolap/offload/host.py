@@ -24,14 +24,23 @@ logs that ``device: cpu`` moves nothing (``zerolap.offload.plan_offload``).
 
 from __future__ import annotations
 
+import queue
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from zerolap.zero.sub_groups import SubGroup, last_share
 
-__all__ = ["HostGradients", "HostPlan"]
+__all__ = ["HostAdditions", "HostGradients", "HostPlan"]
+
+# Accumulation's additions on the host stage at most this many elements at a time (64 MiB in
+# fp32), through this many buffers: the pinned memory they take does not grow with the bucket
+# size (DeepSpeed's default reduce_bucket_size is 5e8 elements).
+STAGING_NUMEL = 1 << 24
+STAGING_BUFFERS = 2
 
 
 @dataclass(frozen=True)
@@ -58,6 +67,88 @@ class HostPlan:
     def empty(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """Zeroed host memory, pinned when asked for."""
         return torch.zeros(numel, dtype=dtype, pin_memory=self.pin)
+
+    def additions(self, stream, dtype: torch.dtype) -> HostAdditions:
+        """Additions of accelerator pieces of ``dtype`` into host memory, their copies on
+        ``stream``."""
+        return HostAdditions(stream, dtype)
+
+
+def _add_arrived(target: torch.Tensor, staged: torch.Tensor, copied, free, buffer) -> None:
+    try:
+        if copied is not None:
+            copied.synchronize()
+        target.add_(staged)
+    finally:
+        free.put(buffer)
+
+
+class HostAdditions:
+    """``target += piece``, a host target and a piece on the accelerator, off the calling
+    thread: the piece is copied down on ``stream`` (after the work that made it) into a staging
+    buffer, and one thread adds it once the copy has arrived, in the order the additions were
+    asked for (so the sums are those of adding in place). The caller waits only when both
+    staging buffers are still taken; ``wait()`` before the targets are read.
+
+    Without a stream the pieces are host memory already (the CPU standing in for an
+    accelerator in tests) and are staged by a plain copy."""
+
+    def __init__(self, stream, dtype: torch.dtype) -> None:
+        self._stream = stream
+        self._dtype = dtype  # the pieces'
+        self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
+        self._made = 0
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="zerolap-host-add")
+        self._pending: deque[Future] = deque()
+
+    def _buffer(self) -> torch.Tensor:
+        """A free staging buffer: made while fewer than ``STAGING_BUFFERS`` exist, else the
+        next one the adding thread gives back."""
+        if self._made < STAGING_BUFFERS:
+            self._made += 1
+            # Pinned whatever the block's pin_memory says: a copy into pageable memory would
+            # hold the calling thread until the device got there.
+            pin = self._stream is not None
+            return torch.empty(STAGING_NUMEL, dtype=self._dtype, pin_memory=pin)
+        return self._free.get()
+
+    def add(self, target: torch.Tensor, piece: torch.Tensor) -> None:
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(piece.device))
+        for lo in range(0, piece.numel(), STAGING_NUMEL):
+            part = piece[lo : lo + STAGING_NUMEL]
+            buffer = self._buffer()
+            staged = buffer[: part.numel()]
+            copied = None
+            if self._stream is None:
+                staged.copy_(part)
+            else:
+                with torch.cuda.stream(self._stream):
+                    staged.copy_(part, non_blocking=True)
+                # A blocking event: the adding thread sleeps on it rather than spinning.
+                copied = torch.cuda.Event(blocking=True)
+                copied.record(self._stream)
+            where = target[lo : lo + part.numel()]
+            self._pending.append(
+                self._thread.submit(_add_arrived, where, staged, copied, self._free, buffer)
+            )
+
+    def wait(self) -> None:
+        """Every addition asked for made; the first error among them raised once all ran."""
+        error = None
+        while self._pending:
+            try:
+                self._pending.popleft().result()
+            except Exception as failure:  # the others still run to their end
+                error = error or failure
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._thread.shutdown(wait=True)
 
 
 class HostGradients:

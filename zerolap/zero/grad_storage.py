@@ -13,8 +13,8 @@ Two kinds, chosen once per ZeRO stage:
   accelerator, the shard's tail (the elements the host steps) lives in host memory
   (``place_on_host``): each reduced chunk is copied down as it is delivered, on a side stream,
   so the device keeps no gradient of those elements past their reduction. A later round's chunk
-  (accumulation) is copied down to a pinned staging buffer the same way and added to the host
-  part on a thread once it has arrived, so backward never waits for the device.
+  (accumulation) goes down into a pinned staging buffer and a host thread adds it once it has
+  arrived (``offload.host.HostAdditions``): backward waits only when two are still staged.
 
 Rules both follow:
 * Every gradient is multiplied by the reduction's pre factor (``reductions.scale_factors``) as
@@ -27,9 +27,6 @@ Rules both follow:
 """
 
 from __future__ import annotations
-
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -126,6 +123,9 @@ class FullGradients:
         """Every gradient is kept where training runs (stages 0-1 reduce them in place)."""
         return False
 
+    def close(self) -> None:
+        """Nothing runs apart from the caller."""
+
     def param_grad(self, slot: int) -> torch.Tensor:
         start, end = _slot_range(self.layout, slot)
         return self.flat[start:end]
@@ -145,12 +145,6 @@ class FullGradients:
 
     def buffer_bytes(self) -> int:
         return 0  # buckets are regions of the flat buffer
-
-
-def _add_arrived(target: torch.Tensor, staged: torch.Tensor, copied) -> None:
-    if copied is not None:
-        copied.synchronize()
-    target.add_(staged)
 
 
 class ShardGradients:
@@ -179,8 +173,7 @@ class ShardGradients:
         self.host_from = layout.shard_numel  # shard positions from here on live on the host
         self.host_shard: torch.Tensor | None = None
         self._stream = None  # the side stream of the copies down (CUDA)
-        self._adder: ThreadPoolExecutor | None = None  # later rounds' additions on the host
-        self._adds: deque[Future] = deque()  # those not yet waited for, oldest first
+        self._later = None  # later rounds' additions into the host part (HostAdditions)
         self._host_written: set[int] = set()  # buckets whose host part holds this cycle's sum
         self._allocated = 0
         self.max_buffers = max_buffers  # beyond this, the reducer finishes a bucket first
@@ -197,6 +190,7 @@ class ShardGradients:
         self.shard = self.shard.new_zeros(position)  # the tail's device memory is freed
         if plan.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=plan.device)
+        self._later = plan.additions(self._stream, self.comm_dtype)
         return True
 
     def _acquire(self, bucket: Bucket) -> torch.Tensor:
@@ -252,49 +246,36 @@ class ShardGradients:
 
     def _down(self, bucket: int, piece: torch.Tensor, position: int):
         """Shard ``position`` onwards (on the host) := (first round of the cycle) or +=
-        ``piece``. Returns the event the copy down completes at (None if it is done)."""
+        ``piece``. Returns the event the copies down complete at (None if they are done)."""
         at = position - self.host_from
         target = self.host_shard[at : at + piece.numel()]
-        first = bucket not in self._host_written
-        self._host_written.add(bucket)
-        if self._stream is None:  # host tensors on both sides
-            if first:
+        if bucket in self._host_written:
+            # A later round (accumulation, late gradients): added on the host, off backward.
+            self._later.add(target, piece)
+        else:
+            self._host_written.add(bucket)
+            if self._stream is None:
                 target.copy_(piece)
             else:
-                self._add_later(target, piece.clone(), None)  # the piece's buffer is reused
+                self._stream.wait_stream(torch.cuda.current_stream(piece.device))
+                with torch.cuda.stream(self._stream):
+                    target.copy_(piece, non_blocking=True)
+        if self._stream is None:
             return None
-        self._stream.wait_stream(torch.cuda.current_stream(piece.device))
-        with torch.cuda.stream(self._stream):
-            if first:
-                target.copy_(piece, non_blocking=True)
-            else:
-                # Pinned whatever the block's pin_memory says: a copy to pageable memory
-                # would hold this thread until the device got there.
-                staged = torch.empty(piece.shape, dtype=piece.dtype, pin_memory=True)
-                staged.copy_(piece, non_blocking=True)
         piece.record_stream(self._stream)  # its memory is not reused before the copy is done
-        copied = self._stream.record_event()
-        if not first:
-            self._add_later(target, staged, copied)
-        return copied
-
-    def _add_later(self, target: torch.Tensor, staged: torch.Tensor, copied) -> None:
-        """A later round (accumulation, late gradients): ``target += staged`` on the adding
-        thread once the copy down (event ``copied``) has arrived. One thread, so each place's
-        additions happen in the order of the rounds; at most two wait, which bounds the
-        staging memory to two chunks."""
-        if self._adder is None:
-            self._adder = ThreadPoolExecutor(1, thread_name_prefix="zerolap-host-add")
-        while len(self._adds) >= 2:
-            self._adds.popleft().result()
-        self._adds.append(self._adder.submit(_add_arrived, target, staged, copied))
+        return self._stream.record_event()
 
     def _wait_copies(self) -> None:
         """Every copy down arrived and every addition made (an addition's error raised)."""
-        while self._adds:
-            self._adds.popleft().result()
+        if self._later is not None:
+            self._later.wait()
         if self._stream is not None:
             self._stream.synchronize()
+
+    def close(self) -> None:
+        """The adding thread stopped (the optimizer is done)."""
+        if self._later is not None:
+            self._later.close()
 
     def view(self, start: int, end: int, shard_pos: int) -> torch.Tensor:
         """Gradients of flat ``[start, end)``, which sit at ``shard_pos`` in the shard (all on

@@ -553,6 +553,8 @@ class ZeroOptimizer:
         return sum(tier.swapped_bytes() for tier in self.tiers)
 
     def close(self) -> None:
-        """Release what the tiers hold outside memory (swap files); the optimizer is done."""
+        """Release what the tiers hold outside memory (swap files) and what the gradients
+        placed on the host run (the adding thread); the optimizer is done."""
         for tier in self.tiers:
             tier.close()
+        self.grads.close()
