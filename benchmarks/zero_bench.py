@@ -97,6 +97,7 @@ class System:
     stage: int = 0  # zerolap's ZeRO stage
     reduce_scatter: bool = True  # zerolap's zero_optimization.reduce_scatter
     prefetch: bool = True  # stage 3: stage3_prefetch_bucket_size as STAGE3, or 0
+    like_fsdp2: bool = True  # stage 3: the STAGE3 keys; else DeepSpeed's defaults for them
 
 
 SYSTEMS: tuple[System, ...] = (
@@ -121,6 +122,13 @@ SYSTEMS: tuple[System, ...] = (
         "zerolap",
         stage=3,
         prefetch=False,
+    ),
+    System(
+        "stage3_defaults",
+        "zerolap stage 3, DeepSpeed's default stage3_* keys",
+        "zerolap",
+        stage=3,
+        like_fsdp2=False,
     ),
 )
 # --systems also takes these names for sets of systems.
@@ -329,7 +337,7 @@ def _zerolap_trainer(system: System, model, spec: RunSpec) -> _Trainer:
         client = torch.optim.AdamW(model.parameters(), **spec.adamw())
     else:
         config["optimizer"] = {"type": "AdamW", "params": spec.adamw()}
-    if system.stage == 3:
+    if system.stage == 3 and system.like_fsdp2:
         config["zero_optimization"] |= STAGE3
         if not system.prefetch:
             config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
