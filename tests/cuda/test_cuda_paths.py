@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from tests.multiproc import RankFailure, run_on_ranks
-from tests.offload.test_host_offload import check_host_step
+from tests.offload.test_host_offload import check_host_step, resume, save_and_continue
+from tests.offload.test_offload_training import _close
 from tests.tensor_parallel.test_layers import check_fused_gpt_attention
 from tests.zero.test_parity import check_parity
 
@@ -75,3 +76,14 @@ def test_host_step_equals_the_device_step(tmp_path):
     state left on it."""
     failures = on_gpu(check_host_step, str(tmp_path), False, timeout=150)[0]
     assert failures == [], "\n".join(failures)
+
+
+def test_checkpoint_from_the_gpu_resumes_on_it_and_on_a_cpu(tmp_path):
+    """Saved by a stage-2 run stepping on the host (two steps, then a third for reference):
+    resumed on the GPU without offload, and in a process with no GPU at stage 3, the third
+    step lands where the saving run's did (within the two devices' rounding)."""
+    ckpt = str(tmp_path / "ckpt")
+    want = on_gpu(save_and_continue, ckpt, True)[0]
+    assert _close(on_gpu(resume, ckpt, 2, False)[0], want) < 1e-5
+    cpu = run_on_ranks(resume, 1, ckpt, 3, False, env={"DS_ACCELERATOR": "cpu"}, timeout=90)
+    assert _close(cpu[0], want) < 1e-4

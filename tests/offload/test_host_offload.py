@@ -181,11 +181,12 @@ def test_host_additions_stage_in_parts_in_order(monkeypatch):
 
 
 def save_and_continue(ckpt: str, host: bool) -> list[torch.Tensor]:
-    """Stage 2 on 2 ranks: 2 steps, save, a third step."""
-    config = _config(2, opt={"device": "cpu"} if host else None, sub_group=50)
+    """Stage 2: 2 steps, save, a third step (the samples of 2 ranks at any world size)."""
+    micro = MICRO * 2 // dist.get_world_size()
+    config = _config(2, opt={"device": "cpu"} if host else None, sub_group=50, micro=micro)
     with apart() if host else contextlib.nullcontext():
         engine, *_ = zerolap.initialize(model=make_model(), config=config)
-    return two_saved_then_one(engine, ckpt)
+    return two_saved_then_one(engine, ckpt, micro)
 
 
 def resume(ckpt: str, stage: int, host: bool) -> list[torch.Tensor]:

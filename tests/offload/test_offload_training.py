@@ -165,11 +165,11 @@ def save_and_continue(directory: str, ckpt: str, offload: bool) -> list[torch.Te
     return two_saved_then_one(engine, ckpt)
 
 
-def two_saved_then_one(engine, ckpt: str) -> list[torch.Tensor]:
+def two_saved_then_one(engine, ckpt: str, micro: int = MICRO) -> list[torch.Tensor]:
     """2 steps, saved as tag "two", a third step: the parameters (the engine is destroyed)."""
-    _train(engine, range(2))
+    _train(engine, range(2), micro=micro)
     engine.save_checkpoint(ckpt, tag="two")
-    _train(engine, range(2, 3))
+    _train(engine, range(2, 3), micro=micro)
     out = _params(engine)
     engine.destroy()
     return out
