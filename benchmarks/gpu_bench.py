@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     plain = runs["plain"]
     if not plain:
-        print(f"plain PyTorch failed: {errors['plain']}")
+        print(f"plain PyTorch: {errors.get('plain', 'not run: --budget-s spent')}")
         return 1
     base = statistics.median(s for row in plain for s in row.step_s)
     print(

@@ -11,7 +11,8 @@ PY=${PYTHON:-.venv/bin/python}
 rm -rf .whl
 mkdir .whl
 # zerolap's pydantic as installed here, with the versions of its own dependencies it was tested
-# with, built for the device's interpreter.
+# with, built for the device's interpreter (typing-extensions too: this pydantic needs >= 4.16,
+# which the image's copy may not be).
 pins=$("$PY" -c 'from importlib.metadata import version
 print(" ".join(f"{n}=={version(n)}" for n in
       ("pydantic", "pydantic-core", "annotated-types", "typing-inspection",

@@ -68,10 +68,10 @@ class HostPlan:
         """Zeroed host memory, pinned when asked for."""
         return torch.zeros(numel, dtype=dtype, pin_memory=self.pin)
 
-    def additions(self, stream, dtype: torch.dtype) -> HostAdditions:
-        """Additions of accelerator pieces of ``dtype`` into host memory, their copies on
-        ``stream``."""
-        return HostAdditions(stream, dtype)
+    def additions(self, stream, dtype: torch.dtype, largest: int) -> HostAdditions:
+        """Additions of accelerator pieces of ``dtype`` (``largest`` elements at most) into
+        host memory, their copies on ``stream`` (None: the pieces are host tensors)."""
+        return HostAdditions(stream, dtype, min(largest, STAGING_NUMEL), self.device)
 
 
 def _add_arrived(target: torch.Tensor, staged: torch.Tensor, copied, free, buffer) -> None:
@@ -88,17 +88,27 @@ class HostAdditions:
     thread: the piece is copied down on ``stream`` (after the work that made it) into a staging
     buffer, and one thread adds it once the copy has arrived, in the order the additions were
     asked for (so the sums are those of adding in place). The caller waits only when both
-    staging buffers are still taken; ``wait()`` before the targets are read.
+    staging buffers (``numel`` elements each; longer pieces go in parts) are still taken;
+    ``wait()`` before the targets are read.
 
     Without a stream the pieces are host memory already (the CPU standing in for an
     accelerator in tests) and are staged by a plain copy."""
 
-    def __init__(self, stream, dtype: torch.dtype) -> None:
+    def __init__(self, stream, dtype: torch.dtype, numel: int, device: torch.device) -> None:
         self._stream = stream
         self._dtype = dtype  # the pieces'
+        self._numel = numel
         self._free: queue.SimpleQueue[torch.Tensor] = queue.SimpleQueue()
         self._made = 0
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="zerolap-host-add")
+        # The thread waits on the device's events: it works on the device, as torch's own
+        # pin-memory thread does.
+        cuda = stream is not None and device.type == "cuda"
+        self._thread = ThreadPoolExecutor(
+            1,
+            thread_name_prefix="zerolap-host-add",
+            initializer=torch.cuda.set_device if cuda else None,
+            initargs=(device,) if cuda else (),
+        )
         self._pending: deque[Future] = deque()
 
     def _buffer(self) -> torch.Tensor:
@@ -109,29 +119,32 @@ class HostAdditions:
             # Pinned whatever the block's pin_memory says: a copy into pageable memory would
             # hold the calling thread until the device got there.
             pin = self._stream is not None
-            return torch.empty(STAGING_NUMEL, dtype=self._dtype, pin_memory=pin)
+            return torch.empty(self._numel, dtype=self._dtype, pin_memory=pin)
         return self._free.get()
 
     def add(self, target: torch.Tensor, piece: torch.Tensor) -> None:
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(piece.device))
-        for lo in range(0, piece.numel(), STAGING_NUMEL):
-            part = piece[lo : lo + STAGING_NUMEL]
+        for lo in range(0, piece.numel(), self._numel):
+            part = piece[lo : lo + self._numel]
             buffer = self._buffer()
-            staged = buffer[: part.numel()]
-            copied = None
-            if self._stream is None:
-                staged.copy_(part)
-            else:
-                with torch.cuda.stream(self._stream):
-                    staged.copy_(part, non_blocking=True)
-                # A blocking event: the adding thread sleeps on it rather than spinning.
-                copied = torch.cuda.Event(blocking=True)
-                copied.record(self._stream)
-            where = target[lo : lo + part.numel()]
-            self._pending.append(
-                self._thread.submit(_add_arrived, where, staged, copied, self._free, buffer)
-            )
+            try:
+                staged = buffer[: part.numel()]
+                copied = None
+                if self._stream is None:
+                    staged.copy_(part)
+                else:
+                    with torch.cuda.stream(self._stream):
+                        staged.copy_(part, non_blocking=True)
+                    # A blocking event: the adding thread sleeps on it rather than spinning.
+                    copied = torch.cuda.Event(blocking=True)
+                    copied.record(self._stream)
+                where = target[lo : lo + part.numel()]
+                added = self._thread.submit(_add_arrived, where, staged, copied, self._free, buffer)
+            except BaseException:
+                self._free.put(buffer)  # not handed to the thread: free again
+                raise
+            self._pending.append(added)
 
     def wait(self) -> None:
         """Every addition asked for made; the first error among them raised once all ran."""
@@ -145,10 +158,11 @@ class HostAdditions:
             raise error
 
     def close(self) -> None:
-        try:
-            self.wait()
-        finally:
-            self._thread.shutdown(wait=True)
+        """Stop the thread, without waiting: nothing reads the targets any more (the engine
+        is done), and a copy whose reduction never completes (a rank died) must not hold up
+        the engine's release, which may run in a finalizer."""
+        self._pending.clear()
+        self._thread.shutdown(wait=False, cancel_futures=True)
 
 
 class HostGradients:

@@ -190,7 +190,8 @@ class ShardGradients:
         self.shard = self.shard.new_zeros(position)  # the tail's device memory is freed
         if plan.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=plan.device)
-        self._later = plan.additions(self._stream, self.comm_dtype)
+        largest = max((b.chunk_numel for b in self.layout.buckets), default=0)
+        self._later = plan.additions(self._stream, self.comm_dtype, largest)
         return True
 
     def _acquire(self, bucket: Bucket) -> torch.Tensor:
