@@ -456,9 +456,12 @@ class ZeroOptimizer:
         norms = [self._zero] * max(len(grads), 1)
         for on_device in _by_device(grads).values():
             found = torch._foreach_norm([grads[i] for i in on_device], 2, dtype=dtype)
-            for i, norm in zip(on_device, found, strict=True):
-                norms[i] = norm.to(self._zero.device)
-        squares = torch.stack([n.double() for n in norms]).pow(2)
+            # One copy per device, not one per run: a copy up from the host waits for the
+            # device, and stage 3 offloads a run per unit.
+            found = torch.stack(found).to(self._zero.device, torch.float64)
+            for i, norm in zip(on_device, found.unbind(), strict=True):
+                norms[i] = norm
+        squares = torch.stack(norms).pow(2)
         if not self._count_all:
             squares = squares * self._norm_weights
         return squares.sum().reshape(1)
