@@ -102,12 +102,12 @@ class HostAdditions:
         self._made = 0
         # The thread waits on the device's events: it works on the device, as torch's own
         # pin-memory thread does.
-        cuda = stream is not None and device.type == "cuda"
+        initializer, initargs = None, ()
+        if stream is not None and device.type == "cuda":
+            index = torch.cuda.current_device() if device.index is None else device.index
+            initializer, initargs = torch.cuda.set_device, (index,)
         self._thread = ThreadPoolExecutor(
-            1,
-            thread_name_prefix="zerolap-host-add",
-            initializer=torch.cuda.set_device if cuda else None,
-            initargs=(device,) if cuda else (),
+            1, thread_name_prefix="zerolap-host-add", initializer=initializer, initargs=initargs
         )
         self._pending: deque[Future] = deque()
 
