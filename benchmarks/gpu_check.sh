@@ -21,6 +21,10 @@ BUDGET_S=${BUDGET_S:-300}
 PASSES=${*:-tests zerolap gas}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+if ! ls .whl/*.whl >/dev/null 2>&1; then
+    echo "gpu_check: no .whl/: run benchmarks/gpu_prepare.sh first and carry .whl" >&2
+    exit 2
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1
 # The repository's zerolap, and (for the ds rows) the real DeepSpeed: no shim is installed here.
