@@ -49,18 +49,29 @@ def on_gpu(fn, *args, world: int = 1, backend: str = "nccl", timeout: float = 45
     return run_on_ranks(_joined, world, backend, fn, *args, env=env, init=False, timeout=timeout)
 
 
+def _math_attention(fn, *args):
+    """``fn(*args)`` with attention computed by the plain math kernel, as on the CPU: the fused
+    kernels pick their algorithm by head count, which the dense model (all heads) and each TP
+    rank (half of them) do not share."""
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return fn(*args)
+
+
 def test_tensor_parallel_backward_overlap_on_the_gpu():
     """TP 2 on one GPU: the demo GPT equals the dense one, and overlapping the backward
     all-reduces changes no bit of any gradient; the full overlap (lanes on threads) is refused
     there."""
+    check = (_math_attention, check_fused_gpt_attention)
     results = {
-        overlap: on_gpu(check_fused_gpt_attention, overlap, 5, "cuda", world=2, backend="gloo")
+        overlap: on_gpu(*check, overlap, 5, "cuda", world=2, backend="gloo")
         for overlap in ("off", "backward")
     }
     for rank, (off, on) in enumerate(zip(results["off"], results["backward"], strict=True)):
         assert all(torch.equal(a, b) for a, b in zip(off, on, strict=True)), f"rank {rank}"
     with pytest.raises(RankFailure, match="runs on cuda"):
-        on_gpu(check_fused_gpt_attention, "full", 5, "cuda", world=2, backend="gloo")
+        on_gpu(*check, "full", 5, "cuda", world=2, backend="gloo")
 
 
 def test_stages_equal_one_process_on_the_gpu():
