@@ -37,6 +37,7 @@ import resource
 import statistics
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,7 @@ class Row:
     peak_device_bytes: int
     peak_rss_bytes: int
     device: str
+    syncs_per_step: float | None = None  # --count-syncs: implicit host syncs, measured steps
 
 
 def _config(stage: int, offload: bool, batch: int, gas: int) -> dict:
@@ -137,6 +139,7 @@ def _row(
     gas: int,
     steps: int,
     warmup: int,
+    count_syncs: bool,
     port,
     results,
 ):
@@ -146,14 +149,17 @@ def _row(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     try:
-        results.put((rank, True, _measure(system, model_name, batch, gas, steps, warmup)))
+        row = _measure(system, model_name, batch, gas, steps, warmup, count_syncs)
+        results.put((rank, True, row))
     except BaseException:
         import traceback
 
         results.put((rank, False, traceback.format_exc()))
 
 
-def _measure(system: str, model_name: str, batch: int, gas: int, steps: int, warmup: int) -> Row:
+def _measure(
+    system: str, model_name: str, batch: int, gas: int, steps: int, warmup: int, count_syncs: bool
+) -> Row:
     import torch
 
     from zerolap.demo.gpt import GPT, GPTConfig, synthetic_batch
@@ -184,23 +190,32 @@ def _measure(system: str, model_name: str, batch: int, gas: int, steps: int, war
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     step_s, losses = [], []
-    for step in range(warmup + steps):
-        micro_batches = [
-            tuple(t.to(device) for t in synthetic_batch(cfg, batch, seed=step * gas + m))
-            for m in range(gas)
-        ]
-        sync()
-        start = time.perf_counter()
-        losses.append(trainer.train_step(micro_batches))
-        sync()
-        if step >= warmup:
-            step_s.append(time.perf_counter() - start)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(warmup + steps):
+            micro_batches = [
+                tuple(t.to(device) for t in synthetic_batch(cfg, batch, seed=step * gas + m))
+                for m in range(gas)
+            ]
+            sync()
+            if count_syncs and cuda and step == warmup:
+                caught.clear()
+                torch.cuda.set_sync_debug_mode("warn")  # each implicit sync warns
+            start = time.perf_counter()
+            losses.append(trainer.train_step(micro_batches))
+            sync()
+            if step >= warmup:
+                step_s.append(time.perf_counter() - start)
+        if count_syncs and cuda:
+            torch.cuda.set_sync_debug_mode("default")
+            found = sum("synchroniz" in str(w.message) for w in caught)
     return Row(
         step_s=step_s,
         losses=losses,
         peak_device_bytes=torch.cuda.max_memory_allocated(device) if cuda else 0,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         device=torch.cuda.get_device_name(device) if cuda else "cpu (no accelerator)",
+        syncs_per_step=found / steps if count_syncs and cuda else None,
     )
 
 
@@ -214,6 +229,12 @@ def _parse(argv):
     parser.add_argument("--rounds", type=int, default=2)
     default = [s for s in SYSTEMS if not s.startswith("ds")]
     parser.add_argument("--systems", nargs="+", default=default, choices=list(SYSTEMS))
+    parser.add_argument(
+        "--count-syncs",
+        action="store_true",
+        help="count the implicit host syncs of each measured step (CUDA's sync debug mode, "
+        "which slows the step: a diagnosis, not a timing)",
+    )
     parser.add_argument(
         "--budget-s",
         type=float,
@@ -242,7 +263,10 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 timeout = min(timeout, left + 60)  # a row started now may finish a minute late
             try:
-                job = (name, args.model, args.batch, args.gas, args.steps, args.warmup)
+                job = (
+                    name, args.model, args.batch, args.gas, args.steps, args.warmup,
+                    args.count_syncs,
+                )  # fmt: skip
                 row = spawn(1, _row, job, timeout)[0]
                 runs[name].append(row)
             except RuntimeError as err:
@@ -265,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{plain[0].device}; median of "
         f"{args.steps} steps x up to {args.rounds} rounds after {args.warmup} warm-up steps"
     )
+    syncs = f" {'syncs/step':>10}" if args.count_syncs else ""
     print(f"{'system':8} {'step':>9} {'vs plain':>9} {'target':>7} {'peak device':>12} "
-          f"{'peak RSS':>9} {'loss diff':>10}")  # fmt: skip
+          f"{'peak RSS':>9} {'loss diff':>10}{syncs}")  # fmt: skip
     for name in systems:
         if name in errors:
             print(f"{name:8} failed: {errors[name]}")
@@ -281,10 +306,12 @@ def main(argv: list[str] | None = None) -> int:
         diff = max(
             abs(a - b) for row in rows for a, b in zip(row.losses, plain[0].losses, strict=True)
         )
+        counted = [r.syncs_per_step for r in rows if r.syncs_per_step is not None]
+        syncs = f" {statistics.median(counted):10.1f}" if counted else ""
         print(
             f"{name:8} {step * 1e3:7.1f}ms {step / base:8.3f}x {target:>7} "
             f"{max(r.peak_device_bytes for r in rows) / MIB:9.0f}MiB "
-            f"{max(r.peak_rss_bytes for r in rows) / MIB:6.0f}MiB {diff:10.2e}"
+            f"{max(r.peak_rss_bytes for r in rows) / MIB:6.0f}MiB {diff:10.2e}{syncs}"
         )
     return 0
 

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# On a lent GPU, after `bash benchmarks/gpu_prepare.sh` here, in two calls of the device tool
-# (each short enough to leave time for a rerun within the session's 15 minutes):
+# On a lent GPU, after `bash benchmarks/gpu_prepare.sh` here, in two calls of the device tool,
+# the second at once after the first (a machine stays warm 30 s; a new start costs minutes of
+# the session's 15):
 #
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=360)
-#   run(command="bash benchmarks/gpu_check.sh ds", carry=[".whl"], timeout_s=300)
+#   run(command="bash benchmarks/gpu_check.sh ds syncs", carry=[".whl"], timeout_s=360)
 #
 # Passes, as named in the arguments (default: tests zerolap gas):
 #   tests    the CUDA paths' values (tests/cuda: ZeRO stages and offload on NCCL, tensor
@@ -12,6 +13,8 @@
 #   gas      the offload rows with 4 micro-batches a step (accumulation's host additions)
 #   ds       plain PyTorch against DeepSpeed 0.19.8's rows (their first rows JIT-build
 #            FusedAdam and CPUAdam, a minute or more each)
+#   syncs    the implicit host syncs per step of plain and of zerolap's rows (CUDA's sync debug
+#            mode; a diagnosis of the step times, not a timing)
 # Every log goes to $OUT as it is written, so a call cut short still brings back what ran.
 # BUDGET_S (default 300) is the seconds the call may take: each benchmark pass starts no row
 # after its share, and a row started late may run a minute over.
@@ -54,10 +57,13 @@ for pass in $PASSES; do
     gas)
         bench gpu_bench_gas4.log 0 --gas 4 --steps 8 --warmup 2 --rounds 1 \
             --systems plain z2 z2-cpu ;;
-    ds)
-        bench gpu_bench_ds.log 0 --rounds 1 --systems plain ds0 ds1 ds2 ds3 ds2-cpu ds3-cpu ;;
+    ds)  # leaves 60 s for the syncs pass
+        bench gpu_bench_ds.log 60 --rounds 1 --systems plain ds0 ds1 ds2 ds3 ds2-cpu ds3-cpu ;;
+    syncs)
+        bench gpu_bench_syncs.log 0 --count-syncs --steps 3 --warmup 2 --rounds 1 \
+            --systems plain z0 z2 z3 z2-cpu z3-cpu ;;
     *)
-        echo "gpu_check: unknown pass '$pass' (tests, zerolap, gas, ds)" >&2
+        echo "gpu_check: unknown pass '$pass' (tests, zerolap, gas, ds, syncs)" >&2
         exit 2 ;;
     esac
 done
