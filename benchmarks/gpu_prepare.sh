@@ -8,6 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
+if [ ! -x "$PY" ]; then
+    echo "gpu_prepare: no $PY: run 'make .venv/.installed' first (or set PYTHON)" >&2
+    exit 2
+fi
 rm -rf .whl
 mkdir .whl
 # zerolap's pydantic as installed here, with the versions of its own dependencies it was tested
