@@ -190,23 +190,24 @@ def _measure(
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     step_s, losses = [], []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    counting = count_syncs and cuda
+    with warnings.catch_warnings(record=counting) as caught:
         for step in range(warmup + steps):
             micro_batches = [
                 tuple(t.to(device) for t in synthetic_batch(cfg, batch, seed=step * gas + m))
                 for m in range(gas)
             ]
             sync()
-            if count_syncs and cuda and step == warmup:
-                caught.clear()
+            if counting and step == warmup:
+                warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")  # each implicit sync warns
+                caught.clear()
             start = time.perf_counter()
             losses.append(trainer.train_step(micro_batches))
             sync()
             if step >= warmup:
                 step_s.append(time.perf_counter() - start)
-        if count_syncs and cuda:
+        if counting:
             torch.cuda.set_sync_debug_mode("default")
             found = sum("synchroniz" in str(w.message) for w in caught)
     return Row(
@@ -215,7 +216,7 @@ def _measure(
         peak_device_bytes=torch.cuda.max_memory_allocated(device) if cuda else 0,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         device=torch.cuda.get_device_name(device) if cuda else "cpu (no accelerator)",
-        syncs_per_step=found / steps if count_syncs and cuda else None,
+        syncs_per_step=found / steps if counting else None,
     )
 
 
