@@ -6,6 +6,7 @@ ZB-H1 (``--zero-bubble``, on by default: linear layers' weight gradients deferre
 
     python benchmarks/pipe_bench.py                              # zerolap only
     python benchmarks/pipe_bench.py --deepspeed-python /tmp/dsenv/bin/python
+    python benchmarks/pipe_bench.py --blocks 13 --vocab 6144     # stages equal in compute
 
 (``python benchmarks/deepspeed_diff.py --make-env /tmp/dsenv`` makes that environment once.)
 Runs alternate between the systems, micro-batch counts and rounds; figures are medians.
@@ -85,8 +86,18 @@ class _Held:
 
 
 def worker(
-    system: str, micro_batches: int, chunks: int, kind: str, steps: int, warmup: int, out: str
+    system: str,
+    micro_batches: int,
+    chunks: int,
+    kind: str,
+    steps: int,
+    warmup: int,
+    blocks: int,
+    vocab: int,
+    out: str,
 ) -> None:
+    import dataclasses
+
     import torch
 
     torch.set_num_threads(1)
@@ -103,7 +114,7 @@ def worker(
         from zerolap.pipe import PipelineModule, TiedLayerSpec
 
         framework.init_distributed()
-    cfg = PRESETS["42m"]
+    cfg = dataclasses.replace(PRESETS["42m"], n_layer=blocks, vocab_size=vocab)
     torch.manual_seed(0)
     gpt = GPT(cfg)
     extra = {"virtual_stages": chunks} if chunks > 1 else {}  # zerolap's interleaved 1F1B
@@ -254,7 +265,8 @@ def launch(
             python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
             __file__, "--worker", system, "--micro-batches", str(micro_batches),
             "--virtual-stages", str(chunks), "--schedule", kind,
-            "--steps", str(args.steps), "--warmup", str(args.warmup), "--out", str(out),
+            "--steps", str(args.steps), "--warmup", str(args.warmup),
+            "--blocks", str(args.blocks), "--vocab", str(args.vocab), "--out", str(out),
         ]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
         done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -282,6 +294,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    # The 42M GPT's last stage carries the LM head and the loss as well as its 6 blocks;
+    # --blocks 13 --vocab 6144 makes the stages equal in compute (7 blocks against 6 + the head).
+    parser.add_argument("--blocks", type=int, default=12, help="transformer blocks")
+    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
     parser.add_argument("--deepspeed-python")
     args = parser.parse_args()
     if args.worker:
@@ -292,6 +308,8 @@ def main() -> None:
             args.schedule,
             args.steps,
             args.warmup,
+            args.blocks,
+            args.vocab,
             args.out,
         )
         return
