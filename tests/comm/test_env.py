@@ -124,6 +124,17 @@ def test_no_launcher_means_a_job_of_one():
     assert elapsed < 10
 
 
+def nccl_without_a_gpu():
+    with pytest.raises(RuntimeError, match=r"dist_backend='nccl'.* sees none.*'gloo'"):
+        dist.init_distributed(dist_backend="nccl", verbose=False)
+    return torch_dist.is_initialized()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the error is for hosts without a GPU")
+def test_nccl_on_a_host_without_gpu_is_a_named_error():
+    assert run_on_ranks(nccl_without_a_gpu, 1, init=False, timeout=60) == [False]
+
+
 def _rank_port_env(rank: int, port: int) -> dict:
     return {"ZL_RANK": str(rank), "ZL_PORT": str(port)}
 

@@ -85,6 +85,14 @@ def init_distributed(
         return
     backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
+        if not torch.cuda.is_available():
+            # Scripts written for GPUs pass it outright (DeepSpeed's pipeline example does);
+            # torch would only say that NCCL is not built in, or fail in set_device.
+            raise RuntimeError(
+                f"init_distributed(dist_backend='nccl') on rank {launch.rank}: NCCL needs a "
+                "CUDA GPU and this process sees none; pass dist_backend='gloo' or leave it "
+                "unset (gloo is chosen when there is no GPU)"
+            )
         torch.cuda.set_device(launch.local_rank)
     timeout = as_timedelta(timeout)
     if launch.world_size == 1 and init_method is None:

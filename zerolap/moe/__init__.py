@@ -1,7 +1,12 @@
-"""``deepspeed.moe``: the parameter-group helpers DeepSpeed's scripts import (``moe.utils``).
-zerolap has no mixture-of-experts layer and no expert parallelism; an expert parameter with an
-expert-parallel size above 1 is refused at ``initialize`` (``moe.utils.check_expert_params``)."""
+"""``deepspeed.moe``: the mixture-of-experts layer (``layer.MoE``, its gates in ``gating``) and
+the parameter-group helpers DeepSpeed's scripts import (``utils``).
 
-from zerolap.moe import utils
+Every rank holds every expert (expert-parallel size 1). Experts split over ranks would need an
+all-to-all per layer, which zerolap does not have: ``MoE(ep_size > 1)`` is refused when the
+layer is built, and so is an expert parameter marked with a larger size at ``initialize``
+(``utils.check_expert_params``).
+"""
 
-__all__ = ["utils"]
+from zerolap.moe import gating, layer, utils
+
+__all__ = ["gating", "layer", "utils"]
