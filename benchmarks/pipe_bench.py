@@ -1,6 +1,7 @@
-"""Pipeline parallelism, p = 2 on the 42M GPT split by blocks: the measured bubble against the
-theory, the exposed point-to-point time, peak activation memory per stage, and step time against
-DeepSpeed's PipelineEngine on the same partition, data and optimizer; 1F1B, zerolap's
+"""Pipeline parallelism, p = 2 on the 42M GPT (or its shape with ``--blocks`` / ``--vocab``)
+split by blocks: the measured bubble against the theory, the exposed point-to-point time, peak
+activation memory per stage, and step time against DeepSpeed's PipelineEngine on the same
+partition, data and optimizer; 1F1B, zerolap's
 interleaved 1F1B (``--virtual-stages 1 2``: each rank holding 2 chunks of blocks) and zerolap's
 ZB-H1 (``--zero-bubble``, on by default: linear layers' weight gradients deferred).
 
@@ -278,6 +279,9 @@ def launch(
 
 
 def main() -> None:
+    sys.path.insert(0, str(ROOT))
+    from zerolap.demo.gpt import PRESETS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", choices=["zerolap", "deepspeed"])
     parser.add_argument("--out")
@@ -296,8 +300,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     # The 42M GPT's last stage carries the LM head and the loss as well as its 6 blocks;
     # --blocks 13 --vocab 6144 makes the stages equal in compute (7 blocks against 6 + the head).
-    parser.add_argument("--blocks", type=int, default=12, help="transformer blocks")
-    parser.add_argument("--vocab", type=int, default=8192, help="vocabulary size")
+
+    shape = PRESETS["42m"]
+    parser.add_argument("--blocks", type=int, default=shape.n_layer, help="transformer blocks")
+    parser.add_argument("--vocab", type=int, default=shape.vocab_size, help="vocabulary size")
     parser.add_argument("--deepspeed-python")
     args = parser.parse_args()
     if args.worker:
@@ -313,7 +319,6 @@ def main() -> None:
             args.out,
         )
         return
-    sys.path.insert(0, str(ROOT))
     systems = {"zerolap": sys.executable}
     if args.deepspeed_python:
         systems["deepspeed"] = args.deepspeed_python

@@ -43,7 +43,7 @@ MODULES: dict[str, str] = {
     "moe": "zerolap.moe",
     "moe.experts": "zerolap.moe.layer",
     "moe.layer": "zerolap.moe.layer",
-    "moe.sharded_moe": "zerolap.moe.gating",
+    "moe.sharded_moe": "zerolap.moe.layer",
     "moe.utils": "zerolap.moe.utils",
     "ops": "zerolap.ops",
     "ops.adagrad": "zerolap.ops.adagrad",

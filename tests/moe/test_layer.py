@@ -4,6 +4,8 @@ trains at ZeRO stages 0-3 on 2 ranks exactly as one process does."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -54,12 +56,42 @@ def test_top1_keeps_the_first_tokens_up_to_capacity_and_weights_by_probability()
 
 
 def test_top1_random_selection_keeps_capacity_tokens_in_token_order():
-    torch.manual_seed(0)
     logits = _logits([0] * 7 + [1], experts=2)
-    _, combine, _, counts = top1gating(logits, 1.0, 0, use_rts=True)
-    kept = sorted(s for (s, e) in _slots(combine) if e == 0)
-    assert counts.tolist() == [7, 1] and len(kept) == 4  # capacity ceil(8 / 2)
-    assert [_slots(combine)[(s, 0)] for s in kept] == [0, 1, 2, 3]
+    chosen = set()
+    for seed in range(8):
+        torch.manual_seed(seed)
+        _, combine, _, counts = top1gating(logits, 1.0, 0, use_rts=True)
+        kept = sorted(s for (s, e) in _slots(combine) if e == 0)
+        assert counts.tolist() == [7, 1] and len(kept) == 4  # capacity ceil(8 / 2)
+        assert [_slots(combine)[(s, 0)] for s in kept] == [0, 1, 2, 3]
+        chosen.add(tuple(kept))
+    assert len(chosen) > 1  # random, not the first four
+
+
+def test_noise_and_capacity_follow_the_mode():
+    torch.manual_seed(0)
+    tokens = torch.randn(64, 8)
+    for policy in ("RSample", "Jitter"):
+        gate = TopKGate(8, 4, k=1, noisy_gate_policy=policy, min_capacity=64, use_rts=False)
+        plain = top1gating(gate.wg(tokens), 1.0, 64, use_rts=False)[1]
+        assert not torch.equal(gate(tokens)[1], plain)  # training: noisy choices or weights
+        gate.eval()
+        assert torch.equal(gate(tokens)[1], plain)  # evaluation: none
+    gate = TopKGate(8, 4, capacity_factor=1.0, eval_capacity_factor=2.0, min_capacity=0)
+    assert gate(tokens)[1].shape[2] == 16  # 64 / 4 x 1.0
+    assert gate.eval()(tokens)[1].shape[2] == 32  # x 2.0
+
+
+def test_top2_samples_only_the_second_expert():
+    torch.manual_seed(0)
+    logits = torch.randn(256, 4) * 0.1
+    first = F.softmax(logits, dim=1).argmax(dim=1)
+    deterministic = top2gating(logits, 4.0, 0, top2_2nd_expert_sampling=False)[1].sum(2)
+    sampled = top2gating(logits.clone(), 4.0, 0, top2_2nd_expert_sampling=True)[1].sum(2)
+    for weights in (deterministic, sampled):
+        assert torch.all(weights[torch.arange(256), first] > 0)
+        assert torch.equal((weights > 0).sum(1), torch.full((256,), 2))
+    assert not torch.equal(deterministic > 0, sampled > 0)
 
 
 def test_top1_without_dropping_grows_capacity_and_masks_unused_tokens():
@@ -76,8 +108,8 @@ def test_top2_renormalises_and_queues_second_choices_after_first_ones():
     _, combine, _, counts = top2gating(logits, 1.0, 0, top2_2nd_expert_sampling=False)
     gates = F.softmax(logits, dim=1)
     # Firsts: 0 -> e0, 1 -> e1, 2 -> e0, 3 -> e2; seconds: e1, e2, e1, e0.
-    assert counts.tolist() == [3, 3, 2]
-    # capacity 2 * ceil(4 / 3) = 3: e0 holds tokens 0, 2 then token 3's second choice.
+    assert counts.tolist() == [3, 3, 2] and combine.shape[2] == 3  # ceil(2 x 4 / 3) slots
+    # e0 holds tokens 0 and 2, then token 3's second choice.
     assert _slots(combine) == {
         (0, 0): 0, (2, 0): 1, (3, 0): 2,
         (1, 1): 0, (0, 1): 1, (2, 1): 2,
@@ -104,6 +136,12 @@ def test_topk_probs_policy_keeps_the_strongest_choices():
     torch.testing.assert_close(l_aux, expected)
     with pytest.raises(ValueError, match="drop_policy='last'"):
         topkgating(logits, 3, 1.0, 1, drop_policy="last")
+    # position: each expert keeps its first token; no dropping: room for every choice.
+    _, combine, _, _ = topkgating(logits, 3, 1 / 3, 1, drop_policy="position")
+    assert set(_slots(combine)) == {(0, 0), (0, 1), (0, 2), (1, 3)}
+    _, combine, _, _ = topkgating(logits, 3, 1 / 3, 1, drop_tokens=False)
+    assert combine.shape[2] == 3 and len(_slots(combine)) == 9
+    torch.testing.assert_close(combine.sum(dim=(1, 2)), torch.ones(3))  # weights sum to 1
 
 
 class Expert(torch.nn.Module):
@@ -149,6 +187,20 @@ def test_layer_equals_a_token_by_token_computation(k, residual):
         a = torch.zeros_like(param) if a is None else a
         b = torch.zeros_like(param) if b is None else b
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_used_token_and_16_bit_inputs():
+    torch.manual_seed(0)
+    layer = MoE(8, Expert(8), num_experts=2, min_capacity=8, use_rts=False)
+    low_layer = copy.deepcopy(layer).to(torch.bfloat16)
+    x = torch.randn(2, 4, 8)
+    used = torch.tensor([1, 0, 1, 1, 0, 1, 1, 1])
+    out, _, counts = layer(x, used)
+    assert counts.sum() == 6 and torch.all(out.reshape(-1, 8)[used == 0] == 0)
+    assert torch.all(out.reshape(-1, 8)[used == 1] != 0)
+    low, _, _ = low_layer(x.to(torch.bfloat16))
+    assert low.dtype == torch.bfloat16  # the gate runs in fp32, the experts in bf16
+    torch.testing.assert_close(low.float(), layer(x)[0], rtol=0.05, atol=0.02)
 
 
 def test_experts_are_marked_for_their_own_optimizer_groups():
@@ -235,7 +287,7 @@ def _reference(steps: int, world: int) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
-def train_moe(stage: int) -> float:
+def train_moe(stage: int, built_sharded: bool) -> float:
     rank, world = dist.get_rank(), dist.get_world_size()
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
@@ -244,7 +296,13 @@ def train_moe(stage: int) -> float:
         "zero_optimization": {"stage": stage},
         "zero_allow_untested_optimizer": True,
     }
-    model = MoEModel()
+    if stage == 3:  # every parameter sharded, the gates' and experts' too
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    if built_sharded:  # the experts copied from an expert whose children are sharded already
+        with zerolap.zero.Init(config_dict_or_path=config):
+            model = MoEModel()
+    else:
+        model = MoEModel()
     optimizer = torch.optim.AdamW(_groups(model), lr=0.02)
     engine, *_ = zerolap.initialize(model=model, optimizer=optimizer, config=config)
     for step in range(3):
@@ -263,7 +321,9 @@ def train_moe(stage: int) -> float:
     )
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_a_moe_model_trains_as_one_process(ranks, stage):
-    for difference in ranks(2).run(train_moe, stage, timeout=TIMEOUT):
+@pytest.mark.parametrize(
+    ("stage", "built_sharded"), [(0, False), (1, False), (2, False), (3, False), (3, True)]
+)
+def test_a_moe_model_trains_as_one_process(ranks, stage, built_sharded):
+    for difference in ranks(2).run(train_moe, stage, built_sharded, timeout=TIMEOUT):
         assert difference < 1e-5

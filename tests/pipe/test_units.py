@@ -32,6 +32,9 @@ from zerolap.topology import ParallelDims
         ([1, 1, 1], 3, [0, 1, 2, 3]),
         ([10, 0, 0, 0], 4, [0, 1, 2, 3, 4]),
         ([2, 2, 2, 2, 2, 2, 2, 2], 4, [0, 2, 4, 6, 8]),
+        ([1] * 13, 4, [0, 4, 7, 10, 13]),  # as even as the heaviest allows, not 4, 4, 4, 1
+        ([0, 0, *[1] * 13, 0, 0], 4, [0, 6, 9, 12, 17]),
+        ([0, 0, *[1] * 13, 0, 0], 2, [0, 9, 17]),
     ],
 )
 def test_balanced_bounds(weights, stages, bounds):

@@ -18,8 +18,6 @@ With ``drop_tokens=False`` the capacity grows to the busiest expert's count, so 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -56,8 +54,10 @@ def refuse_expert_parallelism(ep_size: int) -> None:
 
 def capacity(tokens: int, experts: int, capacity_factor: float, min_capacity: int) -> int:
     """Slots per expert: an even share of the tokens times ``capacity_factor``, at least
-    ``min_capacity``."""
-    return max(math.ceil(tokens / experts * capacity_factor), min_capacity)
+    ``min_capacity``. The product is rounded up in fp32, as DeepSpeed computes it: in float64
+    400 / 8 x 1.1 would round up to 56 where DeepSpeed gives 55, and drop other tokens."""
+    share = torch.tensor(float(capacity_factor), dtype=torch.float32) * (tokens / experts)
+    return max(int(torch.ceil(share)), min_capacity)
 
 
 def _gumbel(shape, device) -> torch.Tensor:
@@ -194,10 +194,20 @@ def topkgating(
     return l_aux, combine, dispatch, exp_counts
 
 
+class _GateLinear(torch.nn.Linear):
+    """The gate's bias-free map to one logit per expert, computed in fp32 whatever the model's
+    dtype. A module of its own, called rather than read, so that ZeRO stage 3 gathers its
+    weight around the call."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.linear(tokens.float(), self.weight.float())
+
+
 class TopKGate(torch.nn.Module):
-    """The gate: a bias-free linear map from the model's width to one logit per expert, run in
-    fp32 whatever the model's dtype, and the top-k routing above. ``capacity_factor`` while
-    training, ``eval_capacity_factor`` in eval mode; noise only while training."""
+    """The gate: a bias-free linear map from the model's width to one logit per expert, in
+    fp32, and the top-k routing above. ``capacity_factor`` while training,
+    ``eval_capacity_factor`` in eval mode; ``noisy_gate_policy`` only while training (top-2's
+    sampled second expert, ``top2_2nd_expert_sampling``, in eval mode too, as in DeepSpeed)."""
 
     def __init__(
         self,
@@ -223,7 +233,7 @@ class TopKGate(torch.nn.Module):
             raise ValueError(f"k={k}: a token picks between 1 and num_experts={num_experts}")
         if noisy_gate_policy == "RSample" and k != 1:
             raise ValueError("noisy_gate_policy='RSample' applies to top-1 gating only (k=1)")
-        self.wg = torch.nn.Linear(model_dim, num_experts, bias=False)
+        self.wg = _GateLinear(model_dim, num_experts, bias=False)
         self.k = k
         self.capacity_factor = capacity_factor
         self.eval_capacity_factor = eval_capacity_factor
@@ -239,7 +249,7 @@ class TopKGate(torch.nn.Module):
         noise = self.noisy_gate_policy if self.training else None
         if noise == "Jitter":
             tokens = tokens * torch.empty_like(tokens).uniform_(1 - JITTER, 1 + JITTER)
-        logits = F.linear(tokens, self.wg.weight.float())
+        logits = self.wg(tokens)
         factor = self.capacity_factor if self.training else self.eval_capacity_factor
         if used_token is not None and self.k != 1:
             raise ValueError("used_token applies to top-1 gating only (k=1)")

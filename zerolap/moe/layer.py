@@ -25,10 +25,19 @@ import copy
 
 import torch
 
-from zerolap.moe.gating import TopKGate, refuse_expert_parallelism
+from zerolap.moe.gating import (
+    TopKGate,
+    refuse_expert_parallelism,
+    top1gating,
+    top2gating,
+    topkgating,
+)
 from zerolap.utils.logging import warning_once
+from zerolap.zero import GatheredParameters
 
-__all__ = ["Experts", "MOELayer", "MoE"]
+# DeepSpeed keeps the layer and its gates in one module (``deepspeed.moe.sharded_moe``), which
+# the shim answers with this one: the gates are importable from here too.
+__all__ = ["Experts", "MOELayer", "MoE", "TopKGate", "top1gating", "top2gating", "topkgating"]
 
 
 class Experts(torch.nn.Module):
@@ -39,9 +48,11 @@ class Experts(torch.nn.Module):
         self, expert: torch.nn.Module, num_local_experts: int = 1, expert_group_name=None
     ) -> None:
         super().__init__()
-        self.deepspeed_experts = torch.nn.ModuleList(
-            copy.deepcopy(expert) for _ in range(num_local_experts)
-        )
+        # Built under zero.Init, ``expert``'s children hold only their shards by now: copy the
+        # whole values (the copies are plain parameters, sharded in turn once registered below).
+        with GatheredParameters(list(expert.parameters())):
+            copies = [copy.deepcopy(expert) for _ in range(num_local_experts)]
+        self.deepspeed_experts = torch.nn.ModuleList(copies)
         self.num_local_experts = num_local_experts
         for copied in self.deepspeed_experts:
             for param in copied.parameters():
