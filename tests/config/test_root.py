@@ -244,3 +244,10 @@ def test_leaf_module_section():
     assert zero.zero_optimization.leaf_module.classes == []
     default = load().zero_optimization.leaf_module.classes
     assert any(name.endswith("MixtralSparseMoeBlock") for name in default)
+
+
+def test_data_parallel_size_must_match_the_job():
+    config = {"train_micro_batch_size_per_gpu": 1, "data_parallel_size": 2}
+    assert load_config(config, world_size=2).data_parallel_size == 2
+    with pytest.raises(ConfigError, match=r"data_parallel_size: 4 data-parallel copies asked"):
+        load_config({**config, "data_parallel_size": 4}, world_size=2)

@@ -52,6 +52,10 @@ class ZerolapConfig(DeepSpeedKeys):
     """Samples per forward/backward on one rank."""
     gradient_accumulation_steps: int | None = Field(None, ge=1)
     """Micro-batches whose gradients are accumulated before each optimizer step."""
+    data_parallel_size: int | None = Field(None, ge=1)
+    """The number of data-parallel copies the job is meant to have (DeepSpeed's AutoTP
+    examples write it; DeepSpeed reads it only beside ``sequence_parallel_size``). Checked
+    against the launched job's: world size / (tensor × pipeline); another value is an error."""
     gradient_clipping: float = Field(1.0, ge=0, allow_inf_nan=False)
     """Clip the global gradient norm to this value; 0 turns clipping off. 1.0 by default, as in
     DeepSpeed 0.19.8 (older releases defaulted to 0)."""
@@ -153,6 +157,13 @@ class ZerolapConfig(DeepSpeedKeys):
                 Problem(("tensor_parallel.overlap", "zero_optimization.stage"), message)
             )
         world_size = context.get("world_size")
+        wanted = self.data_parallel_size
+        if world_size is not None and wanted is not None and wanted != world_size:
+            message = (
+                f"{wanted} data-parallel copies asked, but the job has {world_size} (its world "
+                "size over the tensor- and pipeline-parallel sizes)"
+            )
+            problems.append(Problem(("data_parallel_size",), message))
         if world_size is not None:
             try:
                 batch = self._batch(world_size)
