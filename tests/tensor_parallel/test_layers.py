@@ -5,6 +5,8 @@ whole GPT likewise with each overlap, the full one running its blocks as two lan
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -13,10 +15,12 @@ import zerolap.comm as dist
 from zerolap.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
+    Split,
     VocabParallelEmbedding,
     parallelize,
     vocab_parallel_cross_entropy,
 )
+from zerolap.tensor_parallel.layers import block_sizes
 
 RTOL = 1e-6
 
@@ -27,9 +31,9 @@ def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
     assert error <= RTOL, f"{what}: relative error {error:.3e}"
 
 
-def _slice(t: torch.Tensor, dim: int, parts: int = 1) -> torch.Tensor:
+def _slice(t: torch.Tensor, dim: int, parts: int | tuple[int, ...] = 1) -> torch.Tensor:
     rank, world = dist.get_rank(), dist.get_world_size()
-    blocks = t.chunk(parts, dim)
+    blocks = t.chunk(parts, dim) if isinstance(parts, int) else t.split(parts, dim)
     return torch.cat([b.chunk(world, dim)[rank] for b in blocks], dim)
 
 
@@ -37,9 +41,13 @@ def _inputs(*shape, seed=1) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def check_column(parts: int, overlap: bool, transposed: bool) -> list[torch.Tensor]:
+def check_column(parts: int | str, overlap: bool, transposed: bool) -> list[torch.Tensor]:
+    """``parts``: 1, 3 equal blocks, or ``"gqa"``: blocks of 4, 2 and 2 rows per rank (a QKV
+    with half as many key/value heads as query heads)."""
     torch.manual_seed(0)
     world = dist.get_world_size()
+    if parts == "gqa":
+        parts = (4 * world, 2 * world, 2 * world)
     dense = nn.Linear(12, 3 * 4 * world if parts == 3 else 8 * world)
     if transposed:  # Conv1D's layout: weight (in, out)
         conv = nn.Module()
@@ -63,6 +71,11 @@ def check_column(parts: int, overlap: bool, transposed: bool) -> list[torch.Tens
     weight_grad = layer.weight.grad.t() if transposed else layer.weight.grad
     close(weight_grad, _slice(dense.weight.grad, 0, parts), "column weight grad")
     close(layer.bias.grad, _slice(dense.bias.grad, 0, parts), "column bias grad")
+    gathered = ColumnParallelLinear.from_dense(
+        conv if transposed else dense, group=None, parts=parts, gather_output=True,
+        transposed=transposed,
+    )  # fmt: skip
+    close(gathered(x.detach()), dense(x_dense).detach(), "column output gathered whole")
     return [y.detach(), x.grad, layer.weight.grad]
 
 
@@ -153,7 +166,7 @@ def check_fused_gpt_attention(overlap: str, batch: int, device: str = "cpu") -> 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_column_parallel(ranks, world_size):
-    for parts in (1, 3):
+    for parts in (1, 3, "gqa"):
         for transposed in (False, True):
             on = ranks(world_size).run(check_column, parts, True, transposed)
             off = ranks(world_size).run(check_column, parts, False, transposed)
@@ -179,3 +192,40 @@ def test_vocab_parallel_embedding_head_and_loss(ranks, world_size):
 def test_gpt_parallelized_equals_dense(ranks, world_size, overlap):
     """Full overlap splits each block's micro-batch (5: halves of 3 and 2) into two lanes."""
     ranks(world_size).run(check_fused_gpt_attention, overlap, 5)
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim", "blocks"),
+    [((24, 5), 0, (8, 8, 8)), ((16, 5), 0, (8, 4, 4)), ((3, 16, 2), 1, (8, 4, 4))],
+)
+def test_split_pieces_map_onto_the_whole(shape, dim, blocks):
+    """Each rank's piece, cut by ``take``, written back by ``put``, and its flat elements as
+    ``full_ranges`` says they lie in the whole (what checkpoints store)."""
+    full = torch.arange(math.prod(shape)).reshape(shape)
+    rebuilt = torch.full_like(full, -1)
+    for index in range(4):
+        split = Split(shape, dim, blocks, index, 4)
+        piece = split.take(full)
+        split.put(piece, rebuilt)
+        flat = piece.flatten()
+        for lo, hi in ((0, flat.numel()), (1, flat.numel() - 2), (3, 7)):
+            covered = []
+            for start, end, offset in split.full_ranges(lo, hi):
+                assert torch.equal(flat[lo + offset : lo + offset + end - start],
+                                   full.flatten()[start:end])  # fmt: skip
+                covered += range(lo + offset, lo + offset + end - start)
+            assert covered == list(range(lo, hi))
+    assert torch.equal(rebuilt, full)
+
+
+def test_block_sizes_are_checked_by_name():
+    assert block_sizes(24, 3, 4, "w") == (8, 8, 8)
+    assert block_sizes(16, (8, 4, 4), 4, "w") == (8, 4, 4)
+    with pytest.raises(ValueError, match=r"w has 16 .* blocks \[8, 4, 2\] add up to 14"):
+        block_sizes(16, (8, 4, 2), 2, "w")
+    with pytest.raises(ValueError, match=r"not divisible by the tensor-parallel size 4 in blocks"):
+        block_sizes(12, (8, 2, 2), 4, "w")
+    with pytest.raises(
+        ValueError, match=r"not divisible by the tensor-parallel size 2 in 3 blocks"
+    ):
+        block_sizes(15, 3, 2, "w")

@@ -136,10 +136,22 @@ def test_partition_config_translates_to_rules():
     assert qkv.matches("blocks.0.attn.qkv") and not qkv.matches("blocks.0.attn.proj")
 
 
+def test_fused_blocks_of_given_sizes_reach_the_rule():
+    spec = {"patterns": [r".*\.qkv\.weight$"], "shape": [[32, 16, 16], -1]}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "tensor_parallel": {"autotp_size": 2, "partition_config": {"layer_specs": [spec]}},
+    }
+    cfg = load_config(config, world_size=1)
+    plan = plan_from_config(cfg.tensor_parallel, GPT(GPTConfig(64, 8, 1, 4, 16)))
+    assert next(r for r in plan.rules if r.on_weight).parts == (32, 16, 16)
+
+
 @pytest.mark.parametrize(
     "spec,key",
     [
-        ({"patterns": ["x"], "shape": [[1, 2, 2], -1]}, "shape"),
+        ({"patterns": ["x"], "shape": [-1, [1, 2, 2]]}, "shape"),
+        ({"patterns": ["x"], "shape": [[4, 0], -1]}, "shape"),
         ({"patterns": ["x"], "partition_type": "row", "partition_dim": 0}, "partition_dim"),
         ({"patterns": ["x"], "partition_type": "banana"}, "partition_type"),
     ],

@@ -4,10 +4,10 @@ layer's matrices; the rest of the job is data-parallel copies of those ranks).
 Keys and meanings are DeepSpeed's. ``partition_config.layer_specs`` name layers by *parameter*
 regexes (``re.match`` on e.g. ``model.layers.0.self_attn.o_proj.weight``); each spec's
 ``partition_type`` is ``column``, ``row`` or ``skip``, and ``shape: [k, -1]`` marks a fused
-projection of k equal blocks (each split per head). Specs come first; with ``use_default_specs``
-the ``preset_model`` plan (or the one zerolap finds for the model) follows. What zerolap does not
-implement of DeepSpeed's section (unequal fused blocks, a non-default ``partition_dim``,
-``embedding_partition_dim``) is an error naming the key, never ignored.
+projection of k equal blocks (``[[q, kv, kv], -1]``: of those sizes), each split per head.
+Specs come first; with ``use_default_specs`` the ``preset_model`` plan (or the one zerolap finds
+for the model) follows. What zerolap does not implement of DeepSpeed's section (a non-default
+``partition_dim``, ``embedding_partition_dim``) is an error naming the key, never ignored.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ class LayerSpec(ConfigSection):
     partition_type: Literal["column", "row", "skip"] = "column"
     """``column``: output features split; ``row``: input features split; ``skip``: replicated."""
     shape: list[Any] | None = None
-    """``[k, -1]``: the output features are k equal fused blocks (QKV: 3), each split."""
+    """``[k, -1]``: the output features are k equal fused blocks (QKV: 3), each split;
+    ``[[q, kv, kv], -1]``: fused blocks of these sizes (fewer key/value heads than query
+    heads), each split."""
     partition_dim: int | None = None
     """The split dimension; only the default (0 for column, 1 for row) is supported."""
     gather_output: bool = False
@@ -41,16 +43,20 @@ class LayerSpec(ConfigSection):
     """Apply the spec only to models whose ``config.model_type`` is listed."""
 
     @property
-    def parts(self) -> int:
-        return 1 if self.shape is None else int(self.shape[0])
+    def parts(self) -> int | tuple[int, ...]:
+        if self.shape is None:
+            return 1
+        blocks = self.shape[0]
+        return blocks if isinstance(blocks, int) else tuple(blocks)
 
     def _check(self, context: Mapping[str, Any]) -> list[Problem]:
         problems = []
         shape = self.shape
         if shape is not None and not (
-            len(shape) == 2 and isinstance(shape[0], int) and shape[0] >= 1 and shape[1] == -1
+            len(shape) == 2 and shape[1] == -1 and _blocks_given(shape[0])
         ):
-            message = "only [k, -1] (k equal fused blocks) is supported, got " + repr(shape)
+            message = "only [k, -1] (k equal fused blocks) or [[sizes...], -1] (fused blocks "
+            message += f"of those sizes) along the split dimension is supported, got {shape!r}"
             problems.append(Problem(("shape",), message))
         default_dim = {"column": 0, "row": 1}.get(self.partition_type)
         if self.partition_dim is not None and self.partition_dim != default_dim:
@@ -59,6 +65,19 @@ class LayerSpec(ConfigSection):
         if self.gather_output and self.partition_type != "column":
             problems.append(Problem(("gather_output",), "applies to column specs only"))
         return problems
+
+
+def _blocks_given(blocks: Any) -> bool:
+    """A positive block count, or a list of positive block sizes."""
+    if isinstance(blocks, bool):
+        return False
+    if isinstance(blocks, int):
+        return blocks >= 1
+    return (
+        isinstance(blocks, (list, tuple))
+        and len(blocks) >= 1
+        and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in blocks)
+    )
 
 
 class PartitionConfig(ConfigSection):

@@ -15,8 +15,8 @@ and slice it, so a tensor-parallel model built from the same seed starts exactly
 dense model. Each split parameter carries a ``Split`` (``param.tp_split``) saying which piece
 of the whole it is, plus Megatron's ``tensor_model_parallel`` / ``partition_dim`` attributes
 that other tools read. Fused projections (a GPT's QKV) are split per block with ``parts``: the
-output rows are ``parts`` equal blocks and each block is cut in T, so every rank keeps whole
-heads of Q, K and V.
+output rows are ``parts`` equal blocks (or blocks of the sizes given, for fewer key/value heads
+than query heads) and each block is cut in T, so every rank keeps whole heads of Q, K and V.
 """
 
 from __future__ import annotations
@@ -49,25 +49,42 @@ __all__ = [
 ]
 
 
+Parts = int | tuple[int, ...]
+"""A fused projection's blocks along its split dimension: that many equal blocks, or the
+blocks' sizes (a QKV with fewer key/value heads than query heads: ``(q, kv, kv)``)."""
+
+
 @dataclass(frozen=True)
 class Split:
     """Where a split parameter's piece sits in the whole parameter: along ``dim`` the whole is
-    ``parts`` equal blocks, and this piece is slice ``index`` of ``count`` of every block."""
+    blocks of sizes ``blocks``, and this piece is slice ``index`` of ``count`` of every block."""
 
     full_shape: tuple[int, ...]
     dim: int
-    parts: int
+    blocks: tuple[int, ...]
     index: int
     count: int
+
+    @property
+    def parts(self) -> int:
+        return len(self.blocks)
+
+    def _blocks(self) -> list[tuple[int, int, int]]:
+        """Per block: its start in the whole, its slice's length, its slice's start in the
+        piece."""
+        out, start, local = [], 0, 0
+        for size in self.blocks:
+            step = size // self.count
+            out.append((start, step, local))
+            start, local = start + size, local + step
+        return out
 
     def block_ranges(self) -> list[tuple[int, int]]:
         """The ``(start, end)`` index ranges along ``dim`` of the whole that this piece holds,
         one per block, in order."""
-        block = self.full_shape[self.dim] // self.parts
-        step = block // self.count
         return [
-            (k * block + self.index * step, k * block + (self.index + 1) * step)
-            for k in range(self.parts)
+            (start + self.index * step, start + (self.index + 1) * step)
+            for start, step, _ in self._blocks()
         ]
 
     def take(self, full: torch.Tensor) -> torch.Tensor:
@@ -78,9 +95,8 @@ class Split:
 
     def put(self, piece: torch.Tensor, full: torch.Tensor) -> None:
         """Write this piece into its place in the whole tensor ``full``."""
-        step = self.full_shape[self.dim] // self.parts // self.count
-        for k, (a, b) in enumerate(self.block_ranges()):
-            full.narrow(self.dim, a, b - a).copy_(piece.narrow(self.dim, k * step, step))
+        for (a, b), (_, step, local) in zip(self.block_ranges(), self._blocks(), strict=True):
+            full.narrow(self.dim, a, b - a).copy_(piece.narrow(self.dim, local, step))
 
     def full_ranges(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
         """The piece's flat elements ``[lo, hi)`` as ranges of the whole tensor's flat elements:
@@ -90,34 +106,45 @@ class Split:
         shape = self.full_shape
         inner = math.prod(shape[self.dim + 1 :])
         full_dim = shape[self.dim]
-        block = full_dim // self.parts
-        step = block // self.count
-        local_dim = step * self.parts
-        span = local_dim * inner  # piece elements per index of the dimensions before ``dim``
+        blocks = self._blocks()
+        span = sum(step for _, step, _ in blocks) * inner  # per index of the dims before
         out = []
         for outer in range(lo // span, -(-hi // span)):
-            for k in range(self.parts):
-                start = outer * span + k * step * inner
+            for block_start, step, local in blocks:
+                start = outer * span + local * inner
                 a, b = max(lo, start), min(hi, start + step * inner)
                 if a < b:
-                    full = (outer * full_dim + k * block + self.index * step) * inner
+                    full = (outer * full_dim + block_start + self.index * step) * inner
                     out.append((full + a - start, full + b - start, a - lo))
         return out
 
 
-def _check_divisible(what: str, size: int, parts: int, count: int) -> None:
-    if size % (parts * count):
+def block_sizes(size: int, parts: Parts, count: int, what: str) -> tuple[int, ...]:
+    """The blocks ``parts`` describes for a dimension of ``size``, each of which must split
+    evenly over ``count`` ranks."""
+    if isinstance(parts, int):
+        sizes = (size // parts,) * parts if size % parts == 0 else None
         detail = f" in {parts} blocks" if parts > 1 else ""
+    else:
+        sizes = tuple(parts)
+        detail = f" in blocks of {list(sizes)}"
+        if sum(sizes) != size:
+            raise ValueError(
+                f"tensor parallelism: {what} has {size} along its split dimension, but its "
+                f"fused blocks {list(sizes)} add up to {sum(sizes)}"
+            )
+    if sizes is None or any(block % count for block in sizes):
         raise ValueError(
             f"tensor parallelism: {what} has {size} along its split dimension, not divisible by "
             f"the tensor-parallel size {count}{detail}"
         )
+    return sizes
 
 
-def _split_parameter(full: torch.Tensor, dim: int, parts: int, group, what: str) -> nn.Parameter:
+def _split_parameter(full: torch.Tensor, dim: int, parts: Parts, group, what: str) -> nn.Parameter:
     count, index = dist.get_world_size(group), dist.get_rank(group)
-    _check_divisible(what, full.shape[dim], parts, count)
-    split = Split(tuple(full.shape), dim, parts, index, count)
+    blocks = block_sizes(full.shape[dim], parts, count, what)
+    split = Split(tuple(full.shape), dim, blocks, index, count)
     param = nn.Parameter(split.take(full.detach()).clone(), requires_grad=full.requires_grad)
     mark_split(param, split, group)
     return param
@@ -138,7 +165,7 @@ def join_pieces(piece: torch.Tensor, split: Split, group) -> torch.Tensor:
     pieces = dist.all_gather(piece.detach().contiguous(), group=group)
     full = torch.empty(split.full_shape, dtype=piece.dtype, device=piece.device)
     for index, each in enumerate(pieces):
-        Split(split.full_shape, split.dim, split.parts, index, split.count).put(each, full)
+        Split(split.full_shape, split.dim, split.blocks, index, split.count).put(each, full)
     return full
 
 
@@ -167,7 +194,7 @@ def _blank(cls):
     return layer
 
 
-def _bias_split(bias: torch.Tensor | None, parts: int, group, what: str) -> nn.Parameter | None:
+def _bias_split(bias: torch.Tensor | None, parts: Parts, group, what: str) -> nn.Parameter | None:
     return None if bias is None else _split_parameter(bias, 0, parts, group, what)
 
 
@@ -218,7 +245,7 @@ class ColumnParallelLinear(nn.Module):
         bias: bool = True,
         *,
         group,
-        parts: int = 1,
+        parts: Parts = 1,
         gather_output: bool = False,
         overlap_backward: bool = True,
         device=None,
@@ -248,7 +275,7 @@ class ColumnParallelLinear(nn.Module):
         dense: nn.Module,
         *,
         group,
-        parts: int = 1,
+        parts: Parts = 1,
         gather_output: bool = False,
         overlap_backward: bool = True,
         transposed: bool = False,
@@ -272,13 +299,26 @@ class ColumnParallelLinear(nn.Module):
         y = _ColumnParallelMatmul.apply(
             x, self.weight, self.bias, self.group, self.overlap_backward, self.transposed
         )
-        return gather_from_region(y, self.group) if self.gather_output else y
+        if not self.gather_output:
+            return y
+        return _in_block_order(gather_from_region(y, self.group), self.weight.tp_split)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features} (per rank), "
             f"bias={self.bias is not None}, parts={self.parts}, transposed={self.transposed}"
         )
+
+
+def _in_block_order(gathered: torch.Tensor, split: Split) -> torch.Tensor:
+    """The ranks' outputs, gathered rank after rank along the last dimension, in the whole
+    layer's order: with fused blocks each rank holds a slice of every block, so block k's
+    slices are collected from every rank before block k + 1's."""
+    if split.parts == 1:
+        return gathered
+    steps = [size // split.count for size in split.blocks]
+    ranks = [piece.split(steps, dim=-1) for piece in gathered.split(sum(steps), dim=-1)]
+    return torch.cat([ranks[r][k] for k in range(split.parts) for r in range(split.count)], -1)
 
 
 class RowParallelLinear(nn.Module):

@@ -29,6 +29,7 @@ import zerolap.comm as dist
 from zerolap.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from zerolap.tensor_parallel.layers import (
     ColumnParallelLinear,
+    Parts,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
@@ -53,8 +54,9 @@ class Rule:
 
     pattern: str
     style: str
-    parts: int = 1
-    """Fused projections: the output features are this many equal blocks, each split."""
+    parts: Parts = 1
+    """Fused projections: the output features are this many equal blocks (or blocks of these
+    sizes), each split."""
     gather_output: bool = False
     """Column-parallel only: all-gather the output so the next layer sees it whole."""
     on_weight: bool = False
