@@ -152,6 +152,8 @@ def test_fused_blocks_of_given_sizes_reach_the_rule():
     [
         ({"patterns": ["x"], "shape": [-1, [1, 2, 2]]}, "shape"),
         ({"patterns": ["x"], "shape": [[4, 0], -1]}, "shape"),
+        ({"patterns": ["x"], "partition_type": "row", "shape": [[8, 4, 4], -1]}, "shape"),
+        ({"patterns": ["x"], "partition_type": "skip", "shape": [3, -1]}, "shape"),
         ({"patterns": ["x"], "partition_type": "row", "partition_dim": 0}, "partition_dim"),
         ({"patterns": ["x"], "partition_type": "banana"}, "partition_type"),
     ],

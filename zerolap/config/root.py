@@ -158,7 +158,9 @@ class ZerolapConfig(DeepSpeedKeys):
             )
         world_size = context.get("world_size")
         wanted = self.data_parallel_size
-        if world_size is not None and wanted is not None and wanted != world_size:
+        # Beside sequence parallelism (refused on its own) the two would be counted together.
+        sequence = self.sequence_parallel_size in (None, 1)
+        if world_size is not None and wanted is not None and wanted != world_size and sequence:
             message = (
                 f"{wanted} data-parallel copies asked, but the job has {world_size} (its world "
                 "size over the tensor- and pipeline-parallel sizes)"

@@ -58,6 +58,11 @@ class LayerSpec(ConfigSection):
             message = "only [k, -1] (k equal fused blocks) or [[sizes...], -1] (fused blocks "
             message += f"of those sizes) along the split dimension is supported, got {shape!r}"
             problems.append(Problem(("shape",), message))
+        elif shape is not None and self.parts != 1 and self.partition_type != "column":
+            # A row split cuts the input features: fused output blocks would stay whole, so the
+            # key would say nothing (DeepSpeed refuses it too).
+            message = "fused blocks apply to column specs only; this spec is "
+            problems.append(Problem(("shape",), message + repr(self.partition_type)))
         default_dim = {"column": 0, "row": 1}.get(self.partition_type)
         if self.partition_dim is not None and self.partition_dim != default_dim:
             message = f"only the default split dimension ({default_dim}) is supported"

@@ -157,7 +157,9 @@ def mark_split(param: nn.Parameter, split: Split, group) -> None:
     param.tp_group = group
     param.tensor_model_parallel = True
     param.partition_dim = split.dim
-    param.partition_stride = split.parts
+    # Megatron's stride: that many equal blocks, each cut over the ranks. Blocks of unequal
+    # sizes have no stride in its terms; ``tp_split`` describes them.
+    param.partition_stride = split.parts if len(set(split.blocks)) == 1 else 1
 
 
 def join_pieces(piece: torch.Tensor, split: Split, group) -> torch.Tensor:
