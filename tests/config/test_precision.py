@@ -46,9 +46,22 @@ def test_master_weights_in_16_bit_are_errors():
     assert "fp16.fp16_master_weights_and_grads: got True" in load_error(
         {"fp16": {"enabled": True, "fp16_master_weights_and_grads": True}}
     )
-    assert "bf16.bf16_optimizer_states: got True" in load_error(
-        {"bf16": {"enabled": True, "bf16_optimizer_states": True}}
-    )
+
+
+def test_bf16_masters_are_checked_by_name():
+    both = {"bf16_master_weights_and_grads": True, "bf16_optimizer_states": True}
+    zero = {"zero_optimization": {"stage": 2}}
+    assert load({"bf16": {"enabled": True, **both}, **zero}).bf16.bf16_optimizer_states
+    message = load_error({"bf16": {"enabled": True, "bf16_optimizer_states": True}, **zero})
+    assert "bf16.bf16_master_weights_and_grads, bf16.bf16_optimizer_states: zerolap's" in message
+    assert "set both" in message
+    message = load_error({"bf16": both, **zero})
+    assert "bf16 master weights need bf16 training" in message
+    message = load_error({"bf16": {"enabled": True, **both}, "zero_optimization": {"stage": 0}})
+    assert "zero_optimization.stage: bf16 master weights are a ZeRO optimizer's" in message
+    offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    message = load_error({"bf16": {"enabled": True, **both}, "zero_optimization": offload})
+    assert "zero_optimization.offload_optimizer: zerolap steps bf16 masters only" in message
 
 
 def test_fp16_auto_cast_is_accepted_and_reported_unsupported():

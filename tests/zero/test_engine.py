@@ -212,6 +212,96 @@ def test_bf16_mixed_precision(ranks, stage):
         assert bf16 == pytest.approx(fp32, abs=0.05)
 
 
+def _bf16_master_engine(stage: int):
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.01}},
+        # Stage 3 with every parameter sharded (this model's would all persist whole).
+        "zero_optimization": {
+            "stage": stage,
+            "reduce_bucket_size": 200,
+            "stage3_param_persistence_threshold": 0,
+        },
+        "bf16": {
+            "enabled": True,
+            "bf16_master_weights_and_grads": True,
+            "bf16_optimizer_states": True,
+        },
+    }
+    engine, *_ = zerolap.initialize(model=make_model(), config=config)
+    return engine
+
+
+def _bf16_master_step(engine, step: int) -> None:
+    """The step's two micro-batches, up to (not including) the step at the boundary."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, targets = global_batch(step, 4 * world)
+    for micro in range(2):
+        mine = slice(2 * (micro * world + rank), 2 * (micro * world + rank) + 2)
+        engine.backward(loss_fn(engine(tokens[mine]).float(), targets[mine]))
+        if micro == 0:
+            engine.step()  # not a boundary: nothing steps
+
+
+def _gathered(engine) -> list[torch.Tensor]:
+    params = list(engine.module.parameters())
+    with zerolap.zero.GatheredParameters(params):
+        return [p.detach().clone() for p in params]
+
+
+def check_bf16_masters(stage: int, ckpt: str) -> dict:
+    """bf16.bf16_master_weights_and_grads + bf16_optimizer_states: no fp32 master, bf16
+    gradients and optimizer state, each step torch's AdamW on the bf16 parameters with the
+    reduced bf16 gradients, bitwise; a checkpoint resumes bitwise."""
+    engine = _bf16_master_engine(stage)
+    reference = make_model().to(torch.bfloat16)
+    # What the ds_config builds: torch's fused AdamW (zerolap.runtime.optimizers).
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=0.02, weight_decay=0.01, fused=True)
+    params = list(engine.module.parameters())
+    for step in range(3):
+        _bf16_master_step(engine, step)
+        for param, ref in zip(params, reference.parameters(), strict=True):
+            ref.grad = zerolap.utils.safe_get_full_grad(param).to(torch.bfloat16)
+        engine.step()
+        optimizer.step()
+    trained = _gathered(engine)
+    equal = all(torch.equal(p, r) for p, r in zip(trained, reference.parameters(), strict=True))
+    states = {t.dtype for s in engine.optimizer.state.values() for t in s.values() if t.dim()}
+    grads = engine.grads.shard.dtype if stage >= 2 else engine.grads.flat.dtype
+    result = {"equal": equal, "master": engine.optimizer.master, "states": states, "grads": grads}
+    memory = engine.memory_breakdown()  # bf16 parameters, gradients and two moments, no master
+    bytes_per_param = {1: 4 + 4 / 2, 2: 2 + 6 / 2, 3: 8 / 2}[stage]
+    assert memory.expected_bytes == memory.numel * bytes_per_param
+    assert abs(memory.total_bytes - memory.expected_bytes) < 0.01 * memory.expected_bytes
+    engine.save_checkpoint(ckpt, tag="three")
+    _bf16_master_step(engine, 3)
+    engine.step()
+    continued = _gathered(engine)
+    engine.destroy()
+    engine = _bf16_master_engine(stage)
+    engine.load_checkpoint(ckpt, tag="three")
+    _bf16_master_step(engine, 3)
+    engine.step()
+    resumed = _gathered(engine)
+    engine.destroy()
+    result["resumed"] = all(torch.equal(a, b) for a, b in zip(continued, resumed, strict=True))
+    return result
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_masters_step_the_parameters_themselves(ranks, stage, tmp_path):
+    for result in ranks(2).run(check_bf16_masters, stage, str(tmp_path)):
+        assert result == {
+            "equal": True,
+            "master": None,
+            "states": {torch.bfloat16},
+            "grads": torch.bfloat16,
+            "resumed": True,
+        }
+
+
 def check_bf16_gradients_averaged_in_fp32(stage: int, prescale: bool) -> tuple[float, float]:
     """With fp32 communication each rank's bf16 gradients are summed and divided in fp32: stage
     2 keeps that fp32 average, stage 1 rounds it to bf16 once (its buffer is the parameters'

@@ -96,11 +96,11 @@ class BF16Config(ConfigSection):
     one-element all-reduce per step)."""
     immediate_grad_update: Annotated[bool, DeepSpeedOnly()] = False
     """DeepSpeed's bf16 optimizer folds each gradient into the fp32 one as soon as it is ready."""
-    bf16_master_weights_and_grads: Annotated[
-        bool, DeepSpeedOnly(is_true, "master weights stay in fp32 in zerolap")
-    ] = False
-    """DeepSpeed keeps master weights and gradients in bf16."""
-    bf16_optimizer_states: Annotated[
-        bool, DeepSpeedOnly(is_true, "optimizer states stay in fp32 in zerolap")
-    ] = False
-    """DeepSpeed keeps the optimizer states in bf16."""
+    bf16_master_weights_and_grads: bool = False
+    """ZeRO stages 1-3: no fp32 master; the optimizer steps the bf16 parameters' own elements
+    with bf16 gradients (2 bytes per parameter for each instead of 4; DeepSpeed keeps a bf16
+    master copy, equal to the parameters). Needs ``bf16_optimizer_states``."""
+    bf16_optimizer_states: bool = False
+    """With ``bf16_master_weights_and_grads``: the optimizer state in bf16 (torch's optimizers
+    make it in the parameters' dtype). DeepSpeed allows fp32 state for bf16 masters only in its
+    CPU Adam under ZeRO-Offload, which zerolap does not have: the two keys go together."""

@@ -147,6 +147,7 @@ class ZerolapConfig(DeepSpeedKeys):
             problems.append(
                 Problem(("zero_optimization.compute_grad_norm", "gradient_clipping"), message)
             )
+        problems += self._check_bf16_master()
         tp = self.tensor_parallel
         if tp.size > 1 and tp.overlap_mode == "full" and self.zero_optimization.stage == 3:
             # Stage 3 gathers and releases a module's parameters around each call; the two
@@ -175,6 +176,35 @@ class ZerolapConfig(DeepSpeedKeys):
                 for name, value in batch._asdict().items():
                     self._set_derived(name, value)
         return problems
+
+    def _check_bf16_master(self) -> list[Problem]:
+        """``bf16_master_weights_and_grads`` and ``bf16_optimizer_states``: together, with bf16,
+        at ZeRO stages 1-3 (as DeepSpeed requires), without offload."""
+        bf16, zero = self.bf16, self.zero_optimization
+        master, states = bf16.bf16_master_weights_and_grads, bf16.bf16_optimizer_states
+        keys = ("bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_states")
+        if not (master or states):
+            return []
+        if master != states:
+            message = "zerolap's optimizer keeps its state in the parameters' dtype: set both "
+            message += (
+                "(DeepSpeed keeps fp32 state for bf16 masters only in its offloaded CPU Adam)"
+            )
+            return [Problem(keys, message)]
+        if not bf16.enabled:
+            return [Problem((keys[0], "bf16.enabled"), "bf16 master weights need bf16 training")]
+        if zero.stage == 0:
+            message = "bf16 master weights are a ZeRO optimizer's: use stage 1, 2 or 3"
+            return [Problem((keys[0], "zero_optimization.stage"), message)]
+        offloads = [
+            f"zero_optimization.{name}"
+            for name in ("offload_optimizer", "offload_param")
+            if getattr(zero, name) is not None and getattr(zero, name).enabled
+        ]
+        if offloads:
+            message = "zerolap steps bf16 masters only where training runs, not offloaded"
+            return [Problem((keys[0], *offloads), message)]
+        return []
 
     def _batch(self, world_size: int):
         """The batch triangle over ``world_size`` data-parallel ranks. Under tensor

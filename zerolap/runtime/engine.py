@@ -392,10 +392,12 @@ class ZerolapEngine(torch.nn.Module):
             comm_dtype=comm_dtype,
         )
         if self.plan.shard_gradients:
+            # The shard accumulates in fp32 for an fp32 master, in bf16 for a bf16 one.
+            master_dtype = param_dtype if self._config.bf16.bf16_master_weights_and_grads else None
             self.grads = ShardGradients(
                 self.layout,
                 rank,
-                dtype=torch.float32,
+                dtype=master_dtype or torch.float32,
                 comm_dtype=comm_dtype,
                 device=device,
                 pre=pre,
@@ -447,6 +449,7 @@ class ZerolapEngine(torch.nn.Module):
             host=self.offload.host,
             model_group=self.mesh.model_group,
             counted=counted_in_norm(self.params, self.mesh, copies=self._tied_copies()),
+            low_precision_master=self._config.bf16.bf16_master_weights_and_grads,
         )
 
     def _tied_copies(self) -> frozenset[int]:

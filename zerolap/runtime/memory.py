@@ -7,7 +7,8 @@ fp32.
 
 For fp32 AdamW that is 16, 8 + 12/N and 4 + 16/N bytes. zerolap keeps no fp32 master of fp32
 weights (the optimizer steps on the flat parameter buffer itself), so ``expected_bytes`` is the
-same formula with m = 0 in fp32: 16, 8 + 8/N, 4 + 12/N.
+same formula with m = 0 in fp32: 16, 8 + 8/N, 4 + 12/N. With bf16 masters
+(``bf16.bf16_master_weights_and_grads``) likewise m = 0, with bf16 gradients and state.
 
 Offload to disk (``device: nvme``) moves part of that out of memory: ``swapped_bytes`` is what
 the swap files hold (optimizer state and master values, stage-3 parameter shards), and the
@@ -70,12 +71,19 @@ def measure_memory(engine) -> MemoryBreakdown:
     dtype = store.dtype if store is not None else next(engine.module.parameters()).dtype
     param_bytes = torch.empty((), dtype=dtype).element_size()
     mixed = param_bytes < 4
-    grad_bytes = 4 if engine.plan.shard_gradients else param_bytes
+    # bf16 masters (bf16.bf16_master_weights_and_grads): the parameters are their own master,
+    # gradients and AdamW's state in their dtype.
+    own16 = optimizer is not None and optimizer.low_precision_master
+    grad_bytes = 4 if engine.plan.shard_gradients and not own16 else param_bytes
+    state_bytes = 2 * param_bytes if own16 else 8
     stage, n = engine.plan.stage, engine.world_size
 
     def formula(master: int) -> float:
-        precision = Precision(param=param_bytes, grad=grad_bytes, master=master, state=8)
+        precision = Precision(param=param_bytes, grad=grad_bytes, master=master, state=state_bytes)
         return numel * bytes_per_param(stage, n, precision)
+
+    # DeepSpeed keeps a master copy (a bf16 one for bf16 masters) except in fp32 at stage 0.
+    zero_master = param_bytes if own16 else 4 if (mixed or stage > 0) else 0
 
     return MemoryBreakdown(
         rank=engine.global_rank,
@@ -95,6 +103,6 @@ def measure_memory(engine) -> MemoryBreakdown:
         host_bytes=(optimizer.host_bytes() if optimizer is not None else 0)
         + (store.host_bytes() if store is not None else 0)
         + (grads.host_bytes() if grads is not None else 0),
-        expected_bytes=formula(master=4 if mixed else 0),
-        zero_formula_bytes=formula(master=4 if (mixed or stage > 0) else 0),
+        expected_bytes=formula(master=4 if mixed and not own16 else 0),
+        zero_formula_bytes=formula(master=zero_master),
     )

@@ -153,6 +153,7 @@ class ZeroOptimizer:
         host=None,
         model_group=None,
         counted: list[bool] | None = None,
+        low_precision_master: bool = False,
     ) -> None:
         self.inner = inner
         self.layout = layout
@@ -180,7 +181,11 @@ class ZeroOptimizer:
         runs = [r for r in layout.runs(owned_ranges, groups, counted) if r.group >= 0]
         positions = [to_shard(r.bucket, r.start) for r in runs]
         self.runs, self.positions, self.sub_groups = split_runs(runs, positions, sub_group_size)
-        self.mixed = self.store.dtype != torch.float32  # gradients are stepped as fp32 copies
+        # Mixed precision steps fp32 master values with fp32 copies of the gradients; with
+        # ``low_precision_master`` (bf16.bf16_master_weights_and_grads) the 16-bit parameters
+        # are their own master, stepped with their 16-bit gradients, as fp32 ones are.
+        self.low_precision_master = low_precision_master
+        self.mixed = self.store.dtype != torch.float32 and not low_precision_master
         # What each run's squares count for in the global norm on this rank.
         self._count_all = all(r.counted for r in self.runs)
         self._norm_weights = torch.tensor(
@@ -201,11 +206,12 @@ class ZeroOptimizer:
         taken = {i for sg in swapped for i in sg.runs}
         on_host = [i for sg in moved for i in sg.runs] if host is not None else []
         resident = [i for i in range(len(self.runs)) if i not in taken and i not in on_host]
-        # A run steps the parameters' own elements when they are fp32, in memory and where
-        # the run steps; otherwise (mixed precision; parameters swapped to disk by
-        # offload_param nvme, or on the other side of an accelerator from the step) it steps
-        # fp32 master values, copied into the parameters after each step.
-        own = self.store.dtype == torch.float32 and self.store.swap is None
+        # A run steps the parameters' own elements when they are their own master (fp32, or
+        # bf16 masters), in memory and where the run steps; otherwise (mixed precision;
+        # parameters swapped to disk by offload_param nvme, or on the other side of an
+        # accelerator from the step) it steps fp32 master values, copied into the parameters
+        # after each step.
+        own = not self.mixed and self.store.swap is None
         params_on_host = self.store.host is not None
         self.apart = [not own or (i in on_host) != params_on_host for i in range(len(self.runs))]
         self.master = self._make_master(resident, shard_numel if not moved else None)
