@@ -62,6 +62,14 @@ def test_bf16_masters_are_checked_by_name():
     offload = {"stage": 2, "offload_optimizer": {"device": "cpu"}}
     message = load_error({"bf16": {"enabled": True, **both}, "zero_optimization": offload})
     assert "zero_optimization.offload_optimizer: zerolap steps bf16 masters only" in message
+    offload = {"stage": 3, "offload_param": {"device": "cpu"}}
+    message = load_error({"bf16": {"enabled": True, **both}, "zero_optimization": offload})
+    assert "zero_optimization.offload_param: zerolap steps bf16 masters only" in message
+    for stage in (1, 3):  # offload_param says nothing below stage 3
+        zero = {"stage": stage, "offload_param": {"device": "cpu"} if stage == 1 else None}
+        assert load({"bf16": {"enabled": True, **both}, "zero_optimization": zero})
+    message = load_error({"fp16": {"enabled": True}, "bf16": both, **{"zero_optimization": {}}})
+    assert "bf16 master weights need bf16 training" in message
 
 
 def test_fp16_auto_cast_is_accepted_and_reported_unsupported():

@@ -212,7 +212,7 @@ def test_bf16_mixed_precision(ranks, stage):
         assert bf16 == pytest.approx(fp32, abs=0.05)
 
 
-def _bf16_master_engine(stage: int):
+def _bf16_master_engine(stage: int, masters: bool = True):
     config = {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 2,
@@ -226,8 +226,8 @@ def _bf16_master_engine(stage: int):
         },
         "bf16": {
             "enabled": True,
-            "bf16_master_weights_and_grads": True,
-            "bf16_optimizer_states": True,
+            "bf16_master_weights_and_grads": masters,
+            "bf16_optimizer_states": masters,
         },
     }
     engine, *_ = zerolap.initialize(model=make_model(), config=config)
@@ -260,8 +260,21 @@ def check_bf16_masters(stage: int, ckpt: str) -> dict:
     # What the ds_config builds: torch's fused AdamW (zerolap.runtime.optimizers).
     optimizer = torch.optim.AdamW(reference.parameters(), lr=0.02, weight_decay=0.01, fused=True)
     params = list(engine.module.parameters())
+    world = dist.get_world_size()
     for step in range(3):
         _bf16_master_step(engine, step)
+        if step == 0:  # the reduced bf16 gradients against one process's, to bf16's precision
+            single = make_model().to(torch.bfloat16)
+            tokens, targets = global_batch(0, 4 * world)
+            for part in range(2 * world):
+                chunk = slice(2 * part, 2 * part + 2)
+                (loss_fn(single(tokens[chunk]).float(), targets[chunk]) / (2 * world)).backward()
+            worst = max(
+                ((zerolap.utils.safe_get_full_grad(p) - s.grad.float()).abs().max()
+                 / s.grad.float().abs().max()).item()
+                for p, s in zip(params, single.parameters(), strict=True)
+            )  # fmt: skip
+            assert worst < 0.02, worst
         for param, ref in zip(params, reference.parameters(), strict=True):
             ref.grad = zerolap.utils.safe_get_full_grad(param).to(torch.bfloat16)
         engine.step()
@@ -288,6 +301,39 @@ def check_bf16_masters(stage: int, ckpt: str) -> dict:
     engine.destroy()
     result["resumed"] = all(torch.equal(a, b) for a, b in zip(continued, resumed, strict=True))
     return result
+
+
+def check_bf16_masters_switched_at_resume(stage: int, ckpt: str) -> list[bool]:
+    """A checkpoint saved with fp32 masters resumes with bf16 ones and the other way round:
+    the parameters as saved, the optimizer state in the new masters' dtype, a step taken."""
+    out = []
+    for saved_with, loaded_with in ((False, True), (True, False)):
+        engine = _bf16_master_engine(stage, masters=saved_with)
+        for step in range(2):
+            _bf16_master_step(engine, step)
+            engine.step()
+        engine.save_checkpoint(ckpt, tag=f"saved-{saved_with}")
+        saved = _gathered(engine)
+        engine.destroy()
+        engine = _bf16_master_engine(stage, masters=loaded_with)
+        engine.load_checkpoint(ckpt, tag=f"saved-{saved_with}")
+        loaded = _gathered(engine)
+        dtypes = {t.dtype for s in engine.optimizer.state.values() for t in s.values() if t.dim()}
+        _bf16_master_step(engine, 2)
+        engine.step()
+        out.append(
+            all(torch.equal(a, b) for a, b in zip(saved, loaded, strict=True))
+            and dtypes == {torch.bfloat16 if loaded_with else torch.float32}
+            and engine.was_step_applied()
+        )
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_masters_switched_at_resume(ranks, stage, tmp_path):
+    for result in ranks(2).run(check_bf16_masters_switched_at_resume, stage, str(tmp_path)):
+        assert result == [True, True]
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

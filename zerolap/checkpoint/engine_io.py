@@ -538,7 +538,10 @@ def _run_state(run, values, segments, index: SegmentIndex) -> dict:
         def put(saved, src, dst, count, base=segment.run_offset):
             for key, tensor in saved["state"].items():
                 if _per_element(tensor, saved["values"].numel()):
-                    target = state.setdefault(key, torch.zeros(numel, dtype=tensor.dtype))
+                    # In the dtype of the values it goes with, as torch's load_state_dict casts:
+                    # fp32 moments saved beside an fp32 master load beside bf16 masters.
+                    dtype = values.dtype if tensor.is_floating_point() else tensor.dtype
+                    target = state.setdefault(key, torch.zeros(numel, dtype=dtype))
                     target[base + dst : base + dst + count] = tensor[src : src + count]
 
         source = index.fill(segment.name, segment.param_start, segment.param_end, put) or source

@@ -82,11 +82,13 @@ class FP16Config(ConfigSection):
 
 
 class BF16Config(ConfigSection):
-    """The ``bf16`` section (also spelt ``bfloat16``): bf16 training with fp32 master weights.
-    bf16 has fp32's exponent range, so there is no loss scaling."""
+    """The ``bf16`` section (also spelt ``bfloat16``): bf16 training with fp32 master weights
+    (or bf16 ones, ``bf16_master_weights_and_grads``). bf16 has fp32's exponent range, so there
+    is no loss scaling."""
 
     enabled: bool = False
-    """Train in bf16 (parameters and gradients in bf16, master weights in fp32)."""
+    """Train in bf16 (parameters and gradients in bf16, master weights in fp32 unless
+    ``bf16_master_weights_and_grads``)."""
     check_grad_overflow: bool = Field(
         True, validation_alias=AliasChoices("check_grad_overflow", "check_overflow")
     )
@@ -99,7 +101,7 @@ class BF16Config(ConfigSection):
     bf16_master_weights_and_grads: bool = False
     """ZeRO stages 1-3: no fp32 master; the optimizer steps the bf16 parameters' own elements
     with bf16 gradients (2 bytes per parameter for each instead of 4; DeepSpeed keeps a bf16
-    master copy, equal to the parameters). Needs ``bf16_optimizer_states``."""
+    master copy, equal to the parameters, at stages 1-2). Needs ``bf16_optimizer_states``."""
     bf16_optimizer_states: bool = False
     """With ``bf16_master_weights_and_grads``: the optimizer state in bf16 (torch's optimizers
     make it in the parameters' dtype). DeepSpeed allows fp32 state for bf16 masters only in its

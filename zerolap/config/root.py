@@ -196,9 +196,13 @@ class ZerolapConfig(DeepSpeedKeys):
         if zero.stage == 0:
             message = "bf16 master weights are a ZeRO optimizer's: use stage 1, 2 or 3"
             return [Problem((keys[0], "zero_optimization.stage"), message)]
+        # offload_param means something at stage 3 only (at stages 1-2 the advice says so).
+        names = (
+            ("offload_optimizer", "offload_param") if zero.stage == 3 else ("offload_optimizer",)
+        )
         offloads = [
             f"zero_optimization.{name}"
-            for name in ("offload_optimizer", "offload_param")
+            for name in names
             if getattr(zero, name) is not None and getattr(zero, name).enabled
         ]
         if offloads:

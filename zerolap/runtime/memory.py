@@ -50,7 +50,7 @@ class MemoryBreakdown:
     swapped_bytes: int  # offload to nvme: model state held in swap files, not in memory
     host_bytes: int  # offload from an accelerator: master, state, gradient copies on the host
     expected_bytes: float  # zerolap's formula for this stage and precision (see module doc)
-    zero_formula_bytes: float  # the ZeRO / DeepSpeed formula, with an fp32 master copy
+    zero_formula_bytes: float  # the ZeRO / DeepSpeed formula, with its master copy
 
     @property
     def total_bytes(self) -> int:
@@ -82,8 +82,10 @@ def measure_memory(engine) -> MemoryBreakdown:
         precision = Precision(param=param_bytes, grad=grad_bytes, master=master, state=state_bytes)
         return numel * bytes_per_param(stage, n, precision)
 
-    # DeepSpeed keeps a master copy (a bf16 one for bf16 masters) except in fp32 at stage 0.
-    zero_master = param_bytes if own16 else 4 if (mixed or stage > 0) else 0
+    # DeepSpeed keeps a master copy except in fp32 at stage 0; for bf16 masters a bf16 one at
+    # stages 1-2, none at stage 3 (it steps the partitioned parameters themselves).
+    bf16_copy = param_bytes if stage < 3 else 0
+    zero_master = bf16_copy if own16 else 4 if (mixed or stage > 0) else 0
 
     return MemoryBreakdown(
         rank=engine.global_rank,

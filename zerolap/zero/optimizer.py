@@ -3,8 +3,9 @@
 The client's ``torch.optim`` object is kept (so schedulers bound to it keep working); its param
 groups are re-pointed at *runs*: contiguous flat ranges of one group inside this rank's chunks.
 With fp32 parameters a run is a view of the flat parameter buffer itself (no master copy, since
-an fp32 copy of fp32 weights would only cost memory); with fp16/bf16 parameters it is a view of
-an fp32 master shard.
+an fp32 copy of fp32 weights would only cost memory), and so it is with bf16 parameters that are
+their own master (``bf16.bf16_master_weights_and_grads``); with other fp16/bf16 parameters it is
+a view of an fp32 master shard.
 
 Runs are grouped into sub-groups of at most ``sub_group_size`` elements (``zero.sub_groups``),
 and each sub-group belongs to one *tier*: ``ResidentRuns`` keep their values and state in
