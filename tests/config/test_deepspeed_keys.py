@@ -46,7 +46,6 @@ def test_disabled_features_are_not_reported():
     ("key", "value"),
     [
         ("amp", {"enabled": True, "opt_level": "O1"}),
-        ("torch_autocast", {"enabled": True, "dtype": "bfloat16"}),
         ("sparse_gradients", True),
         ("progressive_layer_drop", {"enabled": True, "theta": 0.5}),
         ("curriculum_learning", {"enabled": True}),

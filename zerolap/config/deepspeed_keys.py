@@ -116,8 +116,6 @@ class DeepSpeedKeys(ConfigSection):
     # Features that change the results: accepted only when off.
     amp: Annotated[Block, DeepSpeedOnly(enabled, f"Apex AMP: {_PRECISION}")] = None
     """Apex AMP mixed precision."""
-    torch_autocast: Annotated[Block, DeepSpeedOnly(enabled, f"torch autocast: {_PRECISION}")] = None
-    """torch.autocast around the forward pass."""
     sparse_gradients: Annotated[
         bool, DeepSpeedOnly(is_true, "sparse gradients are reduced densely in zerolap")
     ] = False

@@ -1,18 +1,21 @@
-"""The ``fp16`` and ``bf16`` sections, and the dtype names ``communication_data_type`` accepts.
+"""The ``fp16``, ``bf16`` and ``torch_autocast`` sections, and the dtype names
+``communication_data_type`` accepts.
 
 Only one of fp16 and bf16 may be enabled; the root config checks that, as it spans both sections.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
 import torch
 from pydantic import AliasChoices, BeforeValidator, Field
 
+from zerolap.config.errors import Problem
 from zerolap.config.section import ConfigSection, DeepSpeedOnly, is_true
 
-__all__ = ["BF16Config", "DTypeName", "FP16Config", "torch_dtype"]
+__all__ = ["BF16Config", "DTypeName", "FP16Config", "TorchAutocastConfig", "torch_dtype"]
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _SPELLINGS = {
@@ -106,3 +109,38 @@ class BF16Config(ConfigSection):
     """With ``bf16_master_weights_and_grads``: the optimizer state in bf16 (torch's optimizers
     make it in the parameters' dtype). DeepSpeed allows fp32 state for bf16 masters only in its
     CPU Adam under ZeRO-Offload, which zerolap does not have: the two keys go together."""
+
+
+class TorchAutocastConfig(ConfigSection):
+    """``torch_autocast``: the engine's forward runs under ``torch.autocast`` (DeepSpeed's
+    section): eligible ops (matrix products, convolutions) compute in ``dtype`` while the
+    parameters keep theirs, the ones autocast keeps in fp32 (softmax, norms, losses) stay there.
+
+    DeepSpeed also reduces the gradients of ``lower_precision_safe_modules`` (``nn.Linear`` and
+    ``nn.Conv*`` by default) in ``dtype``; zerolap reduces every gradient in one dtype, the
+    parameters' or ``communication_data_type``'s, so naming other modules is refused."""
+
+    enabled: bool = False
+    dtype: DTypeName = "bf16"
+    """The autocast dtype (DeepSpeed writes ``"torch.bfloat16"``); bf16 only (fp16 autocast
+    needs a gradient scaler, which the ``fp16`` section is)."""
+    lower_precision_safe_modules: list[str] | None = None
+    """DeepSpeed's: modules whose gradients it communicates in ``dtype``. Not supported."""
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype or "bf16"]
+
+    def _check(self, context: Mapping[str, Any]) -> list[Problem]:
+        if not self.enabled:
+            return []
+        problems = []
+        if self.dtype != "bf16":
+            message = "zerolap autocasts to bf16 only; for fp16 use the fp16 section (loss "
+            message += f"scaling), got {self.dtype!r}"
+            problems.append(Problem(("dtype",), message))
+        if self.lower_precision_safe_modules is not None:
+            message = "zerolap reduces every gradient in one dtype (set communication_data_type "
+            message += "for bf16 communication); per-module communication dtypes are not supported"
+            problems.append(Problem(("lower_precision_safe_modules",), message))
+        return problems

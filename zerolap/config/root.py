@@ -26,7 +26,13 @@ from zerolap.config.errors import ConfigError, Problem, format_validation_error
 from zerolap.config.nonfinite import NonFiniteConfig
 from zerolap.config.optimizer import OptimizerConfig
 from zerolap.config.pipeline import PipelineConfig
-from zerolap.config.precision import BF16Config, DTypeName, FP16Config, torch_dtype
+from zerolap.config.precision import (
+    BF16Config,
+    DTypeName,
+    FP16Config,
+    TorchAutocastConfig,
+    torch_dtype,
+)
 from zerolap.config.scheduler import SchedulerConfig
 from zerolap.config.tensor_parallel import TensorParallelConfig
 from zerolap.config.timers import TimersConfig
@@ -84,6 +90,8 @@ class ZerolapConfig(DeepSpeedKeys):
         default_factory=BF16Config, validation_alias=AliasChoices("bf16", "bfloat16")
     )
     """bf16 mixed precision (also spelt ``bfloat16``)."""
+    torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
+    """``torch.autocast`` around the engine's forward (bf16)."""
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     """The ZeRO stage and its knobs."""
     activation_checkpointing: ActivationCheckpointingConfig = Field(
@@ -148,7 +156,15 @@ class ZerolapConfig(DeepSpeedKeys):
                 Problem(("zero_optimization.compute_grad_norm", "gradient_clipping"), message)
             )
         problems += self._check_bf16_master()
+        if self.torch_autocast.enabled and self.fp16.enabled:
+            message = "autocast to bf16 over fp16 parameters; use one of the two"
+            problems.append(Problem(("torch_autocast.enabled", "fp16.enabled"), message))
         tp = self.tensor_parallel
+        if self.torch_autocast.enabled and tp.size > 1 and tp.overlap_mode == "full":
+            # The lanes run a block's halves on threads of their own, and autocast's state is
+            # per thread.
+            message = "full overlap runs blocks on threads autocast does not reach; use backward"
+            problems.append(Problem(("torch_autocast.enabled", "tensor_parallel.overlap"), message))
         if tp.size > 1 and tp.overlap_mode == "full" and self.zero_optimization.stage == 3:
             # Stage 3 gathers and releases a module's parameters around each call; the two
             # lanes call every module of a block twice, interleaved, inside one gathering.

@@ -528,7 +528,8 @@ class PipelineEngine(ZerolapEngine):
         if self._deferred is not None and batch.train:
             self._deferred.record(key)
         try:
-            out = self.module(inputs if len(inputs) > 1 else inputs[0], chunk=chunk)
+            with self._autocast():
+                out = self.module(inputs if len(inputs) > 1 else inputs[0], chunk=chunk)
         except BaseException:
             if self._deferred is not None:
                 self._deferred.drop()  # no later call of the layers is this forward's

@@ -495,11 +495,20 @@ class ZerolapEngine(torch.nn.Module):
         if self.fetcher is not None:
             self.fetcher.begin_step()
         self._check_inputs_once(inputs, kwargs)
-        out = self.module(*inputs, **kwargs)
+        with self._autocast():
+            out = self.module(*inputs, **kwargs)
         if self.optimizer is not None and torch.is_grad_enabled():
             out = _through_entry(self, out)
         self._phase_recorders("forward", start, time.perf_counter())
         return out
+
+    def _autocast(self):
+        """``torch.autocast`` as the ds_config's ``torch_autocast`` asks (the one the caller
+        may have opened around the engine is replaced, as in DeepSpeed), or nothing."""
+        section = self._config.torch_autocast
+        if not section.enabled:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=section.torch_dtype)
 
     def _check_inputs_once(self, inputs: tuple, kwargs: dict) -> None:
         """At the first forward, that the tensor group's ranks were fed the same batch."""
