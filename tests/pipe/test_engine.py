@@ -113,6 +113,19 @@ def test_zero_bubble_equals_gradient_accumulation(ranks, world, stages, gas, sta
     assert worst[0] < 1e-6, worst
 
 
+def test_stages_run_under_the_configured_autocast(ranks):
+    autocast = {"enabled": True, "dtype": "bfloat16"}
+    results = ranks(2).run(train, 2, 4, 1, torch_autocast=autocast)
+    ref_losses, _, ref_params = models.reference(STEPS, 4, 1, autocast=True)
+    _, _, plain_params = models.reference(STEPS, 4, 1)
+    merged = {n: v for _, _, params, _, _ in results for n, v in params.items()}
+    for losses, *_ in results:  # bf16 logits make bf16 losses, averaged in another order
+        assert losses == pytest.approx(ref_losses, rel=5e-3)
+    worst = max(_relative(merged[n], ref_params[n]) for n in ref_params)
+    assert worst < 1e-5, worst
+    assert max(_relative(merged[n], plain_params[n]) for n in ref_params) > 1e-4  # it did cast
+
+
 def reduction_bytes(split: str) -> tuple[int, int]:
     """ZeRO-2 on DP 2 x PP 2 with backwards that reach part of a stage's parameters
     (``split``: interleaved 1F1B's chunks, or ZB-H1's input-gradient and weight halves): the
