@@ -223,8 +223,12 @@ def initialize_with(config_changes: dict, stages: int = 2):
             {"tensor_parallel": {"autotp_size": 2}},
             "2 pipeline stages x tensor_parallel.autotp_size=2 does not divide the world size 2",
         ),
+        (
+            {"pipeline": {"schedule": "zb-h1"}, "torch_autocast": {"enabled": True}},
+            "pipeline.schedule=zb-h1 with torch_autocast.enabled",
+        ),
     ],
-    ids=["micro-batches", "stage3", "stages", "seed_layers", "tp"],
+    ids=["micro-batches", "stage3", "stages", "seed_layers", "tp", "zb-autocast"],
 )
 def test_misconfigured_pipeline_fails_before_training(ranks, changes, message):
     for answer in ranks(2).run(initialize_with, changes):

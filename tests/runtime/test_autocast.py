@@ -23,6 +23,10 @@ def test_the_section_loads_and_refuses_what_it_cannot_honour():
     assert "torch_autocast.lower_precision_safe_modules: zerolap reduces every" in load_error(
         {"torch_autocast": modules}
     )
+    # An empty list reduces each gradient in its parameter's dtype, as zerolap does.
+    assert load({"torch_autocast": {**AUTOCAST, "lower_precision_safe_modules": []}})
+    # Without a dtype: bf16 (DeepSpeed then takes torch's default for the device).
+    assert load({"torch_autocast": {"enabled": True}}).torch_autocast.torch_dtype == torch.bfloat16
     assert "torch_autocast.enabled, fp16.enabled: autocast to bf16 over fp16" in load_error(
         {"torch_autocast": AUTOCAST, "fp16": {"enabled": True}}
     )

@@ -116,31 +116,35 @@ class TorchAutocastConfig(ConfigSection):
     section): eligible ops (matrix products, convolutions) compute in ``dtype`` while the
     parameters keep theirs, the ones autocast keeps in fp32 (softmax, norms, losses) stay there.
 
-    DeepSpeed also reduces the gradients of ``lower_precision_safe_modules`` (``nn.Linear`` and
-    ``nn.Conv*`` by default) in ``dtype``; zerolap reduces every gradient in one dtype, the
-    parameters' or ``communication_data_type``'s, so naming other modules is refused."""
+    At ZeRO stages 1-3 DeepSpeed also reduces the gradients of ``lower_precision_safe_modules``
+    (``nn.Linear`` and ``nn.Conv*`` by default) in ``dtype`` and every other gradient in its
+    parameter's dtype; zerolap reduces every gradient in one dtype (the parameters', or
+    ``communication_data_type``'s), so a list naming modules is refused (an empty one, which
+    reduces each gradient in its parameter's dtype there too, is accepted)."""
 
     enabled: bool = False
     dtype: DTypeName = "bf16"
     """The autocast dtype (DeepSpeed writes ``"torch.bfloat16"``); bf16 only (fp16 autocast
-    needs a gradient scaler, which the ``fp16`` section is)."""
+    needs a gradient scaler, which the ``fp16`` section is). Unset it is bf16 (DeepSpeed then
+    takes torch's default for the device: fp16 on CUDA, bf16 on CPU)."""
     lower_precision_safe_modules: list[str] | None = None
-    """DeepSpeed's: modules whose gradients it communicates in ``dtype``. Not supported."""
+    """DeepSpeed's: modules whose gradients it communicates in ``dtype``. Only ``[]``."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype or "bf16"]
+        return _DTYPES[self.dtype]
 
     def _check(self, context: Mapping[str, Any]) -> list[Problem]:
         if not self.enabled:
             return []
         problems = []
         if self.dtype != "bf16":
-            message = "zerolap autocasts to bf16 only; for fp16 use the fp16 section (loss "
-            message += f"scaling), got {self.dtype!r}"
+            message = f"zerolap autocasts to bf16 only, got {self.dtype!r}"
+            if self.dtype == "fp16":
+                message += " (for fp16 use the fp16 section, which scales the loss)"
             problems.append(Problem(("dtype",), message))
-        if self.lower_precision_safe_modules is not None:
-            message = "zerolap reduces every gradient in one dtype (set communication_data_type "
-            message += "for bf16 communication); per-module communication dtypes are not supported"
+        if self.lower_precision_safe_modules:
+            message = "zerolap reduces every gradient in one dtype; per-module communication "
+            message += "dtypes are not supported (an empty list is)"
             problems.append(Problem(("lower_precision_safe_modules",), message))
         return problems

@@ -160,11 +160,6 @@ class ZerolapConfig(DeepSpeedKeys):
             message = "autocast to bf16 over fp16 parameters; use one of the two"
             problems.append(Problem(("torch_autocast.enabled", "fp16.enabled"), message))
         tp = self.tensor_parallel
-        if self.torch_autocast.enabled and tp.size > 1 and tp.overlap_mode == "full":
-            # The lanes run a block's halves on threads of their own, and autocast's state is
-            # per thread.
-            message = "full overlap runs blocks on threads autocast does not reach; use backward"
-            problems.append(Problem(("torch_autocast.enabled", "tensor_parallel.overlap"), message))
         if tp.size > 1 and tp.overlap_mode == "full" and self.zero_optimization.stage == 3:
             # Stage 3 gathers and releases a module's parameters around each call; the two
             # lanes call every module of a block twice, interleaved, inside one gathering.

@@ -91,6 +91,11 @@ def check_pipeline_config(config, model, mpu) -> None:
             f"{model.activation_checkpoint_interval}: a recomputed forward would record its "
             "linear layers twice"
         )
+    if section.schedule == "zb-h1" and config.torch_autocast.enabled:
+        raise ConfigError(
+            "pipeline.schedule=zb-h1 with torch_autocast.enabled: the deferred weight steps "
+            "multiply the inputs the layers were given, which autocast casts only inside them"
+        )
     if config.zero_optimization.stage == 3:
         raise ConfigError(
             "zero_optimization.stage=3 with a PipelineModule: a pipeline stage keeps its "
