@@ -46,6 +46,7 @@ def train_under_autocast(stage: int) -> dict:
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.02)
     engine, *_ = zerolap.initialize(model=model, optimizer=optimizer, config=config)
+    assert engine.torch_autocast_enabled() and engine.torch_autocast_dtype() == torch.bfloat16
     reference = make_model()
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.02)
     dtypes = set()

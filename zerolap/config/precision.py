@@ -131,8 +131,8 @@ class TorchAutocastConfig(ConfigSection):
     """DeepSpeed's: modules whose gradients it communicates in ``dtype``. Only ``[]``."""
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+    def torch_dtype(self) -> torch.dtype | None:
+        return torch_dtype(self.dtype)
 
     def _check(self, context: Mapping[str, Any]) -> list[Problem]:
         if not self.enabled:

@@ -791,6 +791,12 @@ class ZerolapEngine(torch.nn.Module):
     def bfloat16_enabled(self) -> bool:
         return self._config.precision == "bf16"
 
+    def torch_autocast_enabled(self) -> bool:
+        return self._config.torch_autocast.enabled
+
+    def torch_autocast_dtype(self) -> torch.dtype:
+        return self._config.torch_autocast.torch_dtype
+
     def optimizer_name(self) -> str | None:
         """The ds_config's ``optimizer.type`` in lower case when the engine built the
         optimizer from it, else the class name of the optimizer passed to ``initialize``."""
