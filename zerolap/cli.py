@@ -163,6 +163,9 @@ def _estimate(args: argparse.Namespace) -> int:
         f"   {'offload nvme: device':>20} {'+ host':>13} {'+ disk':>13}"
     )
     for stage, tiers in per_device.items():
+        if "none" not in tiers:
+            print(f"  ZeRO stage {stage}: ({args.precision} needs stage 1-3)")
+            continue
         row = f"  ZeRO stage {stage}: {_decimal_bytes(tiers['none'].device)}"
         if "cpu" in tiers:
             cpu, nvme = tiers["cpu"], tiers["nvme"]
@@ -171,8 +174,10 @@ def _estimate(args: argparse.Namespace) -> int:
                 f"   {_decimal_bytes(nvme.device):>20} {_decimal_bytes(nvme.host)}"
                 f" {_decimal_bytes(nvme.disk)}"
             )
-        else:
+        elif stage == 0:
             row += "   (offload needs stage 1-3)"
+        else:
+            row += f"   ({args.precision}: no offload)"
         print(row)
     print(
         "  (from an accelerator: an fp32 master on the host even for fp32 weights, the gradient "
@@ -272,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--params", type=float, help="number of parameters, e.g. 7.5e9")
     estimate.add_argument("--model", help="module:factory returning an nn.Module")
     estimate.add_argument("--world", type=int, default=1, help="data-parallel ranks")
-    estimate.add_argument("--precision", default="mixed", choices=["mixed", "fp32"])
+    estimate.add_argument("--precision", default="mixed", choices=["mixed", "fp32", "bf16-masters"])
     estimate.set_defaults(run=_estimate)
 
     consolidate = commands.add_parser(

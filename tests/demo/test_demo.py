@@ -128,6 +128,10 @@ def test_cli_bad_arguments_are_named():
 
 
 def test_cli_estimate_and_report():
+    result = _zerolap("estimate", "--params", "1e9", "--world", "4", "--precision", "bf16-masters")
+    assert result.returncode == 0, result.stderr
+    assert "ZeRO stage 0: (bf16-masters needs stage 1-3)" in result.stdout
+    assert "ZeRO stage 2:      3.500 GB   (bf16-masters: no offload)" in result.stdout
     result = _zerolap("estimate", "--params", "7.5e9", "--world", "64")
     assert result.returncode == 0
     for line in (

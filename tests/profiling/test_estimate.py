@@ -50,3 +50,12 @@ def test_offload_moves_the_optimizer_share_and_at_stage_3_the_parameters():
             assert total == pytest.approx(mixed[stage]["none"].device)
     # Stage 2: master, moments and the gradient shard on the host, the bf16 weights stay.
     assert mixed[2]["cpu"] == Placement(device=7.5e9 * 2, host=7.5e9 * 14 / 64)
+
+
+def test_bf16_masters_keep_no_master_and_half_the_moments():
+    n = 4
+    placed = estimate_offload(1, n, "bf16-masters")  # p = g = 2, m = 0, k = 4
+    assert placed[0] == {}  # a ZeRO optimizer's: stages 1-3
+    assert placed[1] == {"none": Placement(device=2 + 2 + 4 / n)}
+    assert placed[2] == {"none": Placement(device=2 + (2 + 4) / n)}
+    assert placed[3] == {"none": Placement(device=(2 + 2 + 4) / n)}  # no offload columns

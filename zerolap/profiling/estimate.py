@@ -8,7 +8,9 @@ state (Adam: 8, two fp32 moments), on N data-parallel ranks:
 
 Mixed precision is p = g = 2, m = 4, k = 8 (the paper's K = 12): 7.5B parameters on 64 ranks
 need 120, 31.4, 16.6 and 1.88 GB (the paper's Table 1). fp32 as zerolap trains it keeps no
-master copy (p = g = 4, m = 0, k = 8).
+master copy (p = g = 4, m = 0, k = 8). bf16 masters (``bf16.bf16_master_weights_and_grads`` with
+``bf16_optimizer_states``, ZeRO stages 1-3, no offload) keep none either: p = g = 2, m = 0,
+k = 4.
 
 Offload (stages 1-3), as zerolap places it from an accelerator: the optimizer's share moves to
 host memory (``device: cpu``) or to disk (``device: nvme``), with an fp32 master even for fp32
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "PRECISIONS",
+    "ZERO_ONLY",
     "Placement",
     "bytes_per_param",
     "estimate_model_states",
@@ -44,7 +47,12 @@ class Precision:
 PRECISIONS = {
     "mixed": Precision(param=2, grad=2, master=4, state=8),
     "fp32": Precision(param=4, grad=4, master=0, state=8),
+    # bf16.bf16_master_weights_and_grads + bf16_optimizer_states: no master, bf16 moments;
+    # a ZeRO optimizer's (stages 1-3) and never offloaded.
+    "bf16-masters": Precision(param=2, grad=2, master=0, state=4),
 }
+ZERO_ONLY = frozenset({"bf16-masters"})
+"""Precisions that exist at ZeRO stages 1-3 only, without offload."""
 
 
 def bytes_per_param(stage: int, world_size: int, precision: Precision) -> float:
@@ -110,12 +118,16 @@ def estimate_offload(
     numel: float, world_size: int, precision: str = "mixed"
 ) -> dict[int, dict[str, Placement]]:
     """Per stage, where the model states live with offload ``none``, ``cpu`` and ``nvme``
-    (stage 0: ``none`` only)."""
+    (stage 0: ``none`` only; a ``ZERO_ONLY`` precision: stages 1-3, ``none`` only)."""
     chosen = _checked(numel, world_size, precision)
+    zero_only = precision in ZERO_ONLY
     out: dict[int, dict[str, Placement]] = {}
     for stage in range(4):
-        out[stage] = {"none": Placement(device=numel * bytes_per_param(stage, world_size, chosen))}
-        for tier in ("cpu", "nvme") if stage > 0 else ():
+        out[stage] = {}
+        if zero_only and stage == 0:
+            continue
+        out[stage]["none"] = Placement(device=numel * bytes_per_param(stage, world_size, chosen))
+        for tier in ("cpu", "nvme") if stage > 0 and not zero_only else ():
             per_param = offload_placement(stage, world_size, chosen, tier)
             out[stage][tier] = Placement(
                 device=numel * per_param.device,
