@@ -30,6 +30,10 @@ def test_the_section_loads_and_refuses_what_it_cannot_honour():
     assert "torch_autocast.enabled, fp16.enabled: autocast to bf16 over fp16" in load_error(
         {"torch_autocast": AUTOCAST, "fp16": {"enabled": True}}
     )
+    tensor = {"tensor_parallel": {"autotp_size": 2}, "torch_autocast": AUTOCAST}
+    assert "torch_autocast.enabled, tensor_parallel.autotp_size: tensor-parallel layers" in (
+        load_error(tensor, world_size=2)
+    )
     # Off, the section says nothing, whatever it holds (DeepSpeed's default config writes it).
     assert not load({"torch_autocast": {"enabled": False, "dtype": "fp16"}}).torch_autocast.enabled
 

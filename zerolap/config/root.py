@@ -160,6 +160,13 @@ class ZerolapConfig(DeepSpeedKeys):
             message = "autocast to bf16 over fp16 parameters; use one of the two"
             problems.append(Problem(("torch_autocast.enabled", "fp16.enabled"), message))
         tp = self.tensor_parallel
+        if self.torch_autocast.enabled and tp.size > 1:
+            # Their matrix products are autograd Functions of their own, which autocast does
+            # not cast: bf16 gradients would meet fp32 weights in their backward.
+            message = "tensor-parallel layers do not run under autocast; use bf16 instead"
+            problems.append(
+                Problem(("torch_autocast.enabled", "tensor_parallel.autotp_size"), message)
+            )
         if tp.size > 1 and tp.overlap_mode == "full" and self.zero_optimization.stage == 3:
             # Stage 3 gathers and releases a module's parameters around each call; the two
             # lanes call every module of a block twice, interleaved, inside one gathering.
