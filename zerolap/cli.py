@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from zerolap.profiling.estimate import PRECISIONS
+
 __all__ = ["main"]
 
 
@@ -277,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--params", type=float, help="number of parameters, e.g. 7.5e9")
     estimate.add_argument("--model", help="module:factory returning an nn.Module")
     estimate.add_argument("--world", type=int, default=1, help="data-parallel ranks")
-    estimate.add_argument("--precision", default="mixed", choices=["mixed", "fp32", "bf16-masters"])
+    estimate.add_argument("--precision", default="mixed", choices=list(PRECISIONS))
     estimate.set_defaults(run=_estimate)
 
     consolidate = commands.add_parser(

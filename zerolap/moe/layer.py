@@ -140,7 +140,6 @@ class MoE(torch.nn.Module):
             raise ValueError(
                 f"MoE num_experts={num_experts} must be a multiple of ep_size={ep_size}"
             )
-        refuse_expert_parallelism(ep_size)
         if enable_expert_tensor_parallelism:
             raise NotImplementedError(
                 "MoE enable_expert_tensor_parallelism=True: zerolap does not split experts over "
