@@ -7,6 +7,7 @@ are sharded, ``norm`` (32 elements, under the persistence threshold) stays whole
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -536,10 +537,11 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_keeps_the_last_one(
         assert same
 
 
-def load_during_a_resave(path: str) -> dict:
+def load_during_a_resave(path: str, vanish: bool) -> dict:
     """Another job re-saves tag ``t`` (publishes it) while rank 0's load is between the model
     file and the shards; rank 1 reads the old save, the new one, or both. Every rank ends with
-    the whole new save, instead of a mix."""
+    the whole new save, instead of a mix. ``vanish``: rank 1's first read meets the moment the
+    old folder has been moved aside (its file is not found), once the new save is published."""
     import shutil
 
     from zerolap.checkpoint import files
@@ -562,6 +564,13 @@ def load_during_a_resave(path: str) -> dict:
     resaved = []
 
     def read_then_resave(file, *, what):
+        if rank == 1 and vanish and not resaved:
+            deadline = time.monotonic() + 60
+            while (files.tag_identity(root, "t") or {}).get("step") != expected["step"]:
+                assert time.monotonic() < deadline, "rank 0 never re-saved"
+                time.sleep(0.01)
+            resaved.append(True)
+            raise FileNotFoundError(2, "No such file or directory", str(file))
         out = read(file, what=what)
         if rank == 0 and not resaved and file.name == MODEL_FILE:
             files.publish(root, "t", save_latest=True)  # B replaces A mid-load
@@ -586,9 +595,10 @@ def load_during_a_resave(path: str) -> dict:
     }
 
 
-def test_a_load_during_a_resave_reads_one_whole_save(ranks, tmp_path):
-    first, second = ranks(2).run(load_during_a_resave, str(tmp_path))
-    assert first["resaved"]
+@pytest.mark.parametrize("vanish", [False, True], ids=["between-files", "file-vanishes"])
+def test_a_load_during_a_resave_reads_one_whole_save(ranks, tmp_path, vanish):
+    first, second = ranks(2).run(load_during_a_resave, str(tmp_path), vanish)
+    assert first["resaved"] and second["resaved"] == [True] * vanish
     for result in (first, second):
         assert result["same"] and result["step"] == result["expected_step"] == 2
         assert any("re-saved while it was read; reading the new save" in m for m in result["logs"])

@@ -140,7 +140,10 @@ def check_async_op_timed_without_waiting():
         while record.end is None:
             assert time.monotonic() < deadline, "async all_reduce made no progress without wait"
             time.sleep(0.005)
-        assert handle.is_completed()
+        # torch completes the future (running the callback that closed the record) before it
+        # flags the work done, so is_completed() may still be False here: the reduced result
+        # already in place is what shows the op had finished.
+        assert torch.equal(tensor, torch.full_like(tensor, float(sum(range(2)))))
         end = record.end
         handle.wait()
         assert record.end == end  # wait() does not re-time a completed op

@@ -384,7 +384,9 @@ def _read_whole(engine, load_dir: Path, tag) -> tuple[Path, dict, list[dict]] | 
                 began = saved_identity(folder)
                 verify(folder, share=(rank, world))
                 saved, shards = read_checkpoint(folder, _client_groups(engine), hashed=True)
-        except CheckpointError as err:
+        except (CheckpointError, OSError) as err:
+            # OSError: a file vanished between two reads, as a re-save moved the folder
+            # aside. Raised here, it would leave the other ranks waiting in the gather below.
             problem = str(err)
         try:
             now = find_latest(load_dir) if tag is None else name
