@@ -58,13 +58,14 @@ def _engine(
     width: int = 16,
     zero: dict | None = None,
     model_parameters=None,
+    micro: int | None = None,
 ):
     model = Net(width)
     if not dropout:
         model.drop.p = 0.0
     config = {
         "train_batch_size": GLOBAL_BATCH,
-        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
+        "train_micro_batch_size_per_gpu": micro or GLOBAL_BATCH // dist.get_world_size(),
         "gradient_clipping": 0.0,  # the references below do not clip
         "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.01}},
         # warmup_min_lr > 0: every step moves the weights, so a load that left them as a fresh
@@ -193,6 +194,52 @@ def test_resume_at_another_world_size_and_stage(ranks, tmp_path, saved, loaded):
     ]
     for got, want in zip(resumed, _reference(4), strict=True):
         assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def resume_accumulating_more(path: str, stage: int) -> tuple[list[torch.Tensor], list[int]]:
+    """One rank resumes what two ranks saved, with the same global batch: two micro-batches
+    of half of it per step, where the saved run took one per rank."""
+    engine = _engine(stage, dropout=False, micro=GLOBAL_BATCH // 2)
+    engine.load_checkpoint(path)
+    steps_after = []
+    for step in (3, 4):
+        tokens, targets = _batch(step)
+        for half in (slice(0, GLOBAL_BATCH // 2), slice(GLOBAL_BATCH // 2, None)):
+            engine.backward(engine(tokens[half], targets[half]))
+            engine.step()
+            steps_after.append(engine.global_steps)
+    return _params(engine), steps_after
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_resume_with_another_accumulation_count_steps_on_whole_batches(ranks, tmp_path, stage):
+    # 3 steps of one micro-batch per rank: the saved micro_steps (3) is odd, so a resume that
+    # kept it would step after the first of two micro-batches.
+    ranks(2).run(train_and_save, stage, "fp32", 3, str(tmp_path), False)
+    params, steps_after = ranks(1).run(resume_accumulating_more, str(tmp_path), stage)[0]
+    assert steps_after == [3, 4, 4, 5]
+    for got, want in zip(params, _reference(5), strict=True):
+        assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+
+
+def saved_mid_step(path: str) -> list[str]:
+    engine = _engine(0, dropout=False, micro=GLOBAL_BATCH // 2)  # 2 micro-batches per step
+    tokens, targets = _batch(0)
+    engine.backward(engine(tokens[: GLOBAL_BATCH // 2], targets[: GLOBAL_BATCH // 2]))
+    engine.step()
+    engine.save_checkpoint(path, tag="mid")
+    with captured_logs() as logs:
+        engine.load_checkpoint(path, tag="mid")
+    assert not engine.is_gradient_accumulation_boundary()  # the next micro-batch starts step 1
+    return logs
+
+
+def test_a_save_between_micro_batches_warns_that_the_step_restarts(ranks, tmp_path):
+    logs = ranks(1).run(saved_mid_step, str(tmp_path))[0]
+    assert (
+        "WARNING: the checkpoint was saved 1 micro-batch(es) into step 1, whose accumulated "
+        "gradients a checkpoint does not hold: that step starts afresh" in logs
+    )
 
 
 def check_consolidation(path: str, precision: str, stage: int = 2) -> list[torch.Tensor]:

@@ -335,6 +335,23 @@ def test_forward_backward_step_are_refused(ranks):
     assert "no data" in errors[3]
 
 
+def short_data() -> str:
+    engine, *_ = zerolap.initialize(model=models.pipeline(2), config=_config(1, 2))
+    batch = models.micro_batches(0, 2, 1, 0)[:1]  # one micro-batch where train_batch reads 2
+    with pytest.raises(StopIteration) as error:  # still StopIteration: loops end on it
+        engine.train_batch(iter(batch))
+    return str(error.value)
+
+
+def test_a_data_iterator_that_runs_out_says_where():
+    # Fresh processes: the batch that raised leaves receives posted in this engine's groups.
+    for stage, message in enumerate(run_on_ranks(short_data, 2, timeout=120)):
+        assert message == (
+            f"pipeline stage {stage}: the data iterator ran out at micro-batch 1 of the 2 that "
+            "train_batch() reads"
+        )
+
+
 def test_too_few_layers_for_the_stages_is_named():
     with pytest.raises(ValueError, match="3 layer\\(s\\) cannot be split into 4 pipeline stages"):
         from zerolap.pipe.partition import balanced_bounds

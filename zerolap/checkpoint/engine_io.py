@@ -360,6 +360,21 @@ def _finish_files(staged: Path, save: dict, model_states: dict, digests: list) -
     return None
 
 
+def _resume_accumulation(engine, saved: dict) -> None:
+    """The next micro-batch starts a step. A checkpoint holds no gradients accumulated towards
+    an unfinished step, and this run may accumulate over another count than the saved one
+    (another data-parallel size for the same global batch): the saved ``micro_steps`` would
+    put the boundary mid-step."""
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    accumulation = (saved.get("ds_config") or {}).get("gradient_accumulation_steps")
+    if isinstance(accumulation, int) and saved["micro_steps"] % accumulation:
+        logger.warning(
+            f"the checkpoint was saved {saved['micro_steps'] % accumulation} micro-batch(es) "
+            f"into step {saved['global_steps'] + 1}, whose accumulated gradients a checkpoint "
+            "does not hold: that step starts afresh"
+        )
+
+
 # A load retries this many times when the checkpoint was re-saved while it read.
 READ_ATTEMPTS = 3
 
@@ -603,8 +618,9 @@ def load_checkpoint(
         engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     if saved["loss_scaler"] is not None:
         engine.loss_scaler.load_state_dict(saved["loss_scaler"])
-    for counter in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
+    for counter in ("global_steps", "global_samples", "skipped_steps"):
         setattr(engine, counter, saved[counter])
+    _resume_accumulation(engine, saved)
     engine.nonfinite.reset()  # a rollback starts a fresh count of skips in a row
     rank = dist.get_rank()
     if rank < len(shards) and shards[rank].get("rng") is not None:

@@ -520,10 +520,22 @@ class PipelineEngine(ZerolapEngine):
             ):
                 batch.grads[key] = self._next.post_grads(key[1], batch.outputs[key], g)
 
+    def _next_sample(self, data: Iterator, mb: int, batch: _Batch):
+        """The micro-batch's ``(inputs, labels)``; an iterator that runs out still ends in
+        ``StopIteration`` (how DeepSpeed's loops see the end of an epoch), saying where."""
+        try:
+            return next(data)
+        except StopIteration:
+            call = "train_batch" if batch.train else "eval_batch"
+            raise StopIteration(
+                f"pipeline stage {self.stage_id}: the data iterator ran out at micro-batch {mb} "
+                f"of the {batch.micro_batches} that {call}() reads"
+            ) from None
+
     def _forward(self, mb: int, chunk: int, batch: _Batch, data: Iterator | None) -> None:
         first, last = self._is_first_chunk(chunk), self._is_last_chunk(chunk)
         key = (chunk, mb)
-        sample = next(data) if (first or last) else None
+        sample = self._next_sample(data, mb, batch) if (first or last) else None
         if first:
             inputs = sample[0] if isinstance(sample[0], tuple) else (sample[0],)
             self._check_inputs_once(inputs, {})
