@@ -196,8 +196,8 @@ def test_eval_batch_is_the_plain_forward(ranks):
         ).mean()
     assert results[0][0] == pytest.approx(loss.item(), rel=1e-6)
     assert results[0][1] is None  # logits live on the last stage
-    for got, want in zip(results[1][1], expected, strict=True):
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    # DeepSpeed's return_logits: the last micro-batch's outputs
+    torch.testing.assert_close(results[1][1], expected[-1], rtol=1e-6, atol=1e-7)
 
 
 # -- errors ------------------------------------------------------------------------------------
@@ -335,21 +335,86 @@ def test_forward_backward_step_are_refused(ranks):
     assert "no data" in errors[3]
 
 
-def short_data() -> str:
-    engine, *_ = zerolap.initialize(model=models.pipeline(2), config=_config(1, 2))
-    batch = models.micro_batches(0, 2, 1, 0)[:1]  # one micro-batch where train_batch reads 2
-    with pytest.raises(StopIteration) as error:  # still StopIteration: loops end on it
-        engine.train_batch(iter(batch))
-    return str(error.value)
+class Packed(torch.nn.Module):
+    """A layer that takes its input packed as ``takes`` ("tuple": a one-element tuple, or
+    "tensor") and gives its output packed as ``gives``: DeepSpeed passes a tuple on as a
+    tuple, however short, and a tensor as a tensor."""
+
+    def __init__(self, takes: str, gives: str) -> None:
+        super().__init__()
+        self.takes, self.gives = takes, gives
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        if self.takes == "tuple":
+            assert isinstance(x, tuple) and len(x) == 1, type(x)
+            x = x[0]
+        assert isinstance(x, torch.Tensor), type(x)
+        out = self.linear(x)
+        return (out,) if self.gives == "tuple" else out
 
 
-def test_a_data_iterator_that_runs_out_says_where():
-    # Fresh processes: the batch that raised leaves receives posted in this engine's groups.
-    for stage, message in enumerate(run_on_ranks(short_data, 2, timeout=120)):
-        assert message == (
-            f"pipeline stage {stage}: the data iterator ran out at micro-batch 1 of the 2 that "
-            "train_batch() reads"
-        )
+def packing_across_stages(between: str) -> float:
+    specs = [
+        LayerSpec(Packed, "tuple", "tensor"),
+        LayerSpec(Packed, "tensor", between),  # its output crosses to stage 1
+        LayerSpec(Packed, between, "tensor"),
+        LayerSpec(Packed, "tensor", "tensor"),
+    ]
+    module = PipelineModule(
+        specs,
+        num_stages=2,
+        loss_fn=lambda out, y: torch.nn.functional.mse_loss(out, y),
+        partition_method="uniform",
+    )
+    engine, *_ = zerolap.initialize(model=module, config=_config(0, 2))
+    g = torch.Generator().manual_seed(0)
+    batch = [((torch.randn(3, 4, generator=g),), torch.randn(3, 4, generator=g))] * 2
+    return engine.train_batch(iter(batch)).item()
+
+
+@pytest.mark.parametrize("between", ["tuple", "tensor"])
+def test_a_one_element_tuple_stays_a_tuple(ranks, between):
+    losses = ranks(2).run(packing_across_stages, between)
+    assert losses[0] == losses[1] and losses[0] > 0
+
+
+def epochs_of_uneven_length(stages: int) -> tuple[list[str], list[float], list[float]]:
+    """An epoch loop as DeepSpeed's users write it: ``train_batch`` until ``StopIteration``,
+    then a fresh iterator. An epoch of ``stages`` + 1 micro-batches makes one whole batch and a
+    short one; the loop goes on with the next epoch, and eval_batch too."""
+    engine, *_ = zerolap.initialize(model=models.pipeline(stages), config=_config(1, stages))
+    fresh, *_ = zerolap.initialize(model=models.pipeline(stages), config=_config(1, stages))
+    epoch = models.micro_batches(0, stages, 1, 0) + models.micro_batches(1, 1, 1, 0)
+    stops, losses = [], []
+    for _ in range(2):
+        data = iter(epoch)
+        while True:
+            try:
+                losses.append(engine.train_batch(data).item())
+            except StopIteration as stop:  # still StopIteration: the loops end on it
+                stops.append(str(stop))
+                break
+    with pytest.raises(StopIteration) as stop:
+        engine.eval_batch(iter(epoch[:1]))
+    stops.append(str(stop.value))
+    expected = [fresh.train_batch(iter(epoch)).item() for _ in range(2)]
+    return stops, losses, expected
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_an_epoch_that_ends_mid_batch_stops_every_rank_and_the_next_one_runs(stages):
+    # Fresh processes, so that a receive left posted (what this guards against) would hang
+    # this test, not a later one.
+    results = run_on_ranks(epochs_of_uneven_length, stages, stages, timeout=120)
+    ran_out = (
+        f"pipeline stage 0 (rank 0): the data iterator ran out at micro-batch 1 of the {stages}"
+    )
+    for stops, losses, expected in results:
+        assert stops == [f"{ran_out} that train_batch() reads"] * 2 + [
+            f"{ran_out} that eval_batch() reads"
+        ]
+        assert losses == expected  # the short batch changed nothing
 
 
 def test_too_few_layers_for_the_stages_is_named():
@@ -599,15 +664,17 @@ def review_fixes():
     short = [(t[:1], y[:1]) for t, y in full]
     evals = [engine.eval_batch(iter(b)).item() for b in (full, short, full)]
     outputs = engine.eval_batch(iter(full), return_logits=True, compute_loss=False)
-    return losses, evals, outputs[1]
+    return losses, evals, outputs
 
 
 def test_review_fixes(ranks):
     first, last = ranks(2).run(review_fixes)
     assert len(first[0]) == 3 and first[1] == last[1]
     assert first[1][0] == pytest.approx(first[1][2])  # same batch, same loss
-    assert first[2] is None and len(last[2]) == 2  # logits on the last stage
-    assert last[2][0].shape == (models.MICRO, models.SEQ, models.VOCAB)
+    # Without a loss the outputs stay on the last stage (averaged, and the last micro-batch's
+    # as the logits), as in DeepSpeed.
+    assert first[2] == (None, None)
+    assert last[2][0].shape == last[2][1].shape == (models.MICRO, models.SEQ, models.VOCAB)
 
 
 def stage_without_blocks():

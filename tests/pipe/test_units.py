@@ -59,7 +59,7 @@ def test_partition_methods():
     assert layer_weights("parameters", param_counts=counts, type_names=names) == counts
     assert layer_weights("uniform", param_counts=counts, type_names=names) == [1] * 5
     assert layer_weights("type:block", param_counts=counts, type_names=names) == [0, 1, 1, 0, 0]
-    with pytest.raises(ValueError, match="no layer's class name matches"):
+    with pytest.raises(ValueError, match="no layer's name matches"):
         layer_weights("type:attention", param_counts=counts, type_names=names)
     with pytest.raises(ValueError, match="partition_method='best'"):
         layer_weights("best", param_counts=counts, type_names=names)
@@ -167,7 +167,23 @@ def test_metadata_round_trip():
         TensorMeta((2, 6), torch.int64, False),
         TensorMeta((), torch.bfloat16, False),
     )
-    assert _decode(_encode(metas).tolist()) == metas
+    for bare in (False, True):  # one tensor and a one-element tuple arrive as sent
+        assert _decode(_encode(metas[:1], bare).tolist()) == (metas[:1], bare)
+    assert _decode(_encode(metas, False).tolist()) == (metas, False)
+
+
+def test_type_partition_matches_module_classes_and_function_names():
+    from torch import nn
+
+    from zerolap.pipe.module import LayerSpec, _type_name
+
+    def scale_fn(x):
+        return 2 * x
+
+    names = [_type_name(x) for x in (LayerSpec(nn.Linear, 2, 2), nn.ReLU(), scale_fn, print)]
+    assert names == ["Linear", "ReLU", "scale_fn", "print"]
+    weights = layer_weights("type:SCALE", param_counts=[0] * 4, type_names=names)
+    assert weights == [0, 0, 1, 0]  # DeepSpeed's search: case-insensitive, functions by name
 
 
 def test_mesh_puts_stages_outermost_and_tensor_ranks_consecutive():

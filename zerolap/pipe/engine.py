@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -133,13 +133,15 @@ class _Batch:
     micro_batches: int
     train: bool
     compute_loss: bool = True  # eval_batch(compute_loss=False): the last stage's outputs
+    # Every micro-batch's (inputs, labels), read before the schedule (first and last stages).
+    samples: list = field(default_factory=list)
     # By (chunk, micro-batch):
     inputs: dict[tuple[int, int], tuple] = field(default_factory=dict)  # kept for their grads
     outputs: dict[tuple[int, int], object] = field(default_factory=dict)  # the last one's loss
     activations: dict[tuple[int, int], object] = field(default_factory=dict)  # receives posted
     grads: dict[tuple[int, int], object] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
-    logits: list = field(default_factory=list)
+    logits: object = None  # eval_batch(return_logits=True): the last micro-batch's outputs
     compute_s: float = 0.0
     spans: list[tuple[str, int, float, float]] = field(default_factory=list)
 
@@ -210,6 +212,7 @@ class PipelineEngine(ZerolapEngine):
             }
         self._backward_at = (Op.BACKWARD, 0)
         self.data_iterator: Iterator | None = None
+        self.batch_fn: Callable | None = None
         self.last_stats: dict | None = None  # the last train_batch's measurements
 
     def _link(self, peer: int) -> StageLink:
@@ -351,6 +354,11 @@ class PipelineEngine(ZerolapEngine):
     def set_dataiterator(self, iterator: Iterator) -> None:
         self.data_iterator = iterator
 
+    def set_batch_fn(self, fn: Callable | None) -> None:
+        """``fn(micro_batch)`` is applied to each micro-batch as it is read (on the stages
+        that read data), before its inputs and labels are taken from it."""
+        self.batch_fn = fn
+
     def forward(self, *args, **kwargs):
         raise PipelineError("a pipeline engine runs forward through train_batch() or eval_batch()")
 
@@ -367,11 +375,11 @@ class PipelineEngine(ZerolapEngine):
         self._require_optimizer("train_batch")
         if not torch.is_grad_enabled():
             raise PipelineError("train_batch() under torch.no_grad(); use eval_batch()")
-        data = self._data(data_iter)
+        batch = _Batch(self.micro_batches, train=True)
+        self._read(self._data(data_iter), batch)
         self.module.train()
         self.tput_timer.start()
-        batch = _Batch(self.micro_batches, train=True)
-        stats = self._run(self._schedule(), batch, data)
+        stats = self._run(self._schedule(), batch)
         self._reduce_tied_grads()
         self._boundary = True
         try:
@@ -406,13 +414,15 @@ class PipelineEngine(ZerolapEngine):
         """Forward only over ``num_micro_batches`` (default: the accumulation steps); returns
         the loss averaged over micro-batches (``reduce_output='avg'``) and data-parallel
         copies, on every rank with ``bcast_loss`` (else on the last stage only), and with
-        ``return_logits`` the last stage's outputs too."""
+        ``return_logits`` the last stage's outputs for the last micro-batch too (None on the
+        other stages), as DeepSpeed returns them. Without ``compute_loss`` the last stage's
+        outputs, averaged over micro-batches, stay on the last stage."""
         if reduce_output not in ("avg", None):
             raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
         micro_batches = num_micro_batches or self.micro_batches
-        data = self._data(data_iter)
-        self.module.eval()
         batch = _Batch(micro_batches, train=False, compute_loss=compute_loss)
+        self._read(self._data(data_iter), batch)
+        self.module.eval()
         for link in (self._prev, self._next):
             if link is not None:  # shapes may differ from the last evaluation's (a last, short
                 link.forget(train=False)  # batch): both sides send and expect metadata afresh
@@ -421,15 +431,17 @@ class PipelineEngine(ZerolapEngine):
                 steps = forward_only(
                     stages=self.num_stages, micro_batches=micro_batches, chunks=self.chunks
                 )
-                self._run(steps, batch, data)
+                self._run(steps, batch)
         finally:
             self.module.train()
         if reduce_output is None:
             out = batch.losses if self.is_last_stage() else None
         else:
-            out = self._aggregate(batch.losses, broadcast=bcast_loss, scalar=compute_loss)
+            out = self._aggregate(
+                batch.losses, broadcast=bcast_loss and compute_loss, scalar=compute_loss
+            )
         if return_logits:
-            return out, (batch.logits if self.is_last_stage() else None)
+            return out, batch.logits
         return out
 
     # -- the schedule ---------------------------------------------------------------------------
@@ -444,7 +456,37 @@ class PipelineEngine(ZerolapEngine):
             )
         return self.data_iterator
 
-    def _run(self, steps: list[Step], batch: _Batch, data: Iterator | None) -> dict:
+    def _read(self, data: Iterator | None, batch: _Batch) -> None:
+        """The batch's micro-batches, read before any stage sends anything, and agreed on by
+        every rank: when any rank's iterator runs out (an epoch's end, or shards of unequal
+        length), all of them raise ``StopIteration`` (what DeepSpeed's loops catch), naming the
+        first such rank, and none is left with receives posted that the next batch's messages
+        would be matched against."""
+        reads = self.is_first_stage() or self.is_last_stage()
+        if reads:
+            for _ in range(batch.micro_batches):
+                try:
+                    sample = next(data)
+                except StopIteration:
+                    break
+                batch.samples.append(self.batch_fn(sample) if self.batch_fn else sample)
+        read = len(batch.samples) if reads else batch.micro_batches
+        counts, world = [read], self.mesh.dims.world_size
+        if world > 1:
+            mine = torch.tensor([read], dtype=torch.int64, device=dist.buffer_device(None))
+            every = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(every, mine)
+            counts = [int(t.item()) for t in every]
+        short = next((r for r, n in enumerate(counts) if n < batch.micro_batches), None)
+        if short is not None:
+            call = "train_batch" if batch.train else "eval_batch"
+            raise StopIteration(
+                f"pipeline stage {self.mesh.dims.coordinates(short)[0]} (rank {short}): the "
+                f"data iterator ran out at micro-batch {counts[short]} of the "
+                f"{batch.micro_batches} that {call}() reads"
+            )
+
+    def _run(self, steps: list[Step], batch: _Batch) -> dict:
         links = [link for link in (self._prev, self._next) if link is not None]
         for link in links:
             link.trace = []
@@ -457,7 +499,7 @@ class PipelineEngine(ZerolapEngine):
         for index, step in enumerate(steps):
             self._post_ahead(steps, index, batch)
             if step.op is Op.FORWARD:
-                self._forward(step.micro_batch, step.chunk, batch, data)
+                self._forward(step.micro_batch, step.chunk, batch)
             elif step.op is Op.BACKWARD:
                 self._backward(step.micro_batch, step.chunk, batch, index == last)
             else:
@@ -520,33 +562,25 @@ class PipelineEngine(ZerolapEngine):
             ):
                 batch.grads[key] = self._next.post_grads(key[1], batch.outputs[key], g)
 
-    def _next_sample(self, data: Iterator, mb: int, batch: _Batch):
-        """The micro-batch's ``(inputs, labels)``; an iterator that runs out still ends in
-        ``StopIteration`` (how DeepSpeed's loops see the end of an epoch), saying where."""
-        try:
-            return next(data)
-        except StopIteration:
-            call = "train_batch" if batch.train else "eval_batch"
-            raise StopIteration(
-                f"pipeline stage {self.stage_id}: the data iterator ran out at micro-batch {mb} "
-                f"of the {batch.micro_batches} that {call}() reads"
-            ) from None
-
-    def _forward(self, mb: int, chunk: int, batch: _Batch, data: Iterator | None) -> None:
+    def _forward(self, mb: int, chunk: int, batch: _Batch) -> None:
         first, last = self._is_first_chunk(chunk), self._is_last_chunk(chunk)
         key = (chunk, mb)
-        sample = self._next_sample(data, mb, batch) if (first or last) else None
+        sample = batch.samples[mb] if (first or last) else None
+        # The first layer takes the inputs as given (a tensor, or a tuple: DeepSpeed's form,
+        # a one-element tuple included), a later stage's as the stage before returned them.
         if first:
-            inputs = sample[0] if isinstance(sample[0], tuple) else (sample[0],)
-            self._check_inputs_once(inputs, {})
+            inputs = sample[0] if isinstance(sample[0], torch.Tensor) else tuple(sample[0])
         else:
-            inputs = tuple(self._prev.wait(batch.activations.pop(key)))
+            inputs = self._prev.wait(batch.activations.pop(key))
+        as_tuple = inputs if isinstance(inputs, tuple) else (inputs,)
+        if first:
+            self._check_inputs_once(as_tuple, {})
         start = time.perf_counter()
         if self._deferred is not None and batch.train:
             self._deferred.record(key)
         try:
             with self._autocast():
-                out = self.module(inputs if len(inputs) > 1 else inputs[0], chunk=chunk)
+                out = self.module(inputs, chunk=chunk)
         except BaseException:
             if self._deferred is not None:
                 self._deferred.drop()  # no later call of the layers is this forward's
@@ -554,7 +588,7 @@ class PipelineEngine(ZerolapEngine):
         if last:
             loss_fn = self.module.loss_fn
             if not batch.train:
-                batch.logits.append(out)
+                batch.logits = out
             if loss_fn is not None and batch.compute_loss:
                 out = loss_fn(out, sample[1])
             batch.losses.append(out.detach())
@@ -577,9 +611,9 @@ class PipelineEngine(ZerolapEngine):
         batch.spans.append(("forward", mb, start, end))
         self._phase_recorders("forward", start, end)
         if batch.train and not first:
-            batch.inputs[key] = inputs
+            batch.inputs[key] = as_tuple
         if not last:
-            self._next.send_activations(outs, mb, batch.train, self._global(chunk) + 1)
+            self._next.send_activations(out, mb, batch.train, self._global(chunk) + 1)
 
     def _backward(self, mb: int, chunk: int, batch: _Batch, boundary: bool) -> None:
         key, last = (chunk, mb), self._is_last_chunk(chunk)

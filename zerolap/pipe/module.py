@@ -321,6 +321,9 @@ def _param_count(layer) -> int:
 
 
 def _type_name(layer) -> str:
+    """What ``type:<regex>`` matches: a module's class name, a function's own name."""
     if isinstance(layer, LayerSpec):
         return layer.typename.__name__
-    return type(layer).__name__
+    if isinstance(layer, nn.Module):
+        return type(layer).__name__
+    return getattr(layer, "__name__", type(layer).__name__)

@@ -85,21 +85,21 @@ def describe(tensors: tuple[torch.Tensor, ...]) -> tuple[TensorMeta, ...]:
     return tuple(TensorMeta(tuple(t.shape), t.dtype, t.requires_grad) for t in tensors)
 
 
-def _encode(metas: tuple[TensorMeta, ...]) -> torch.Tensor:
-    words = [len(metas)]
+def _encode(metas: tuple[TensorMeta, ...], bare: bool) -> torch.Tensor:
+    words = [len(metas), int(bare)]
     for meta in metas:
         words += [_DTYPES.index(meta.dtype), int(meta.requires_grad), len(meta.shape), *meta.shape]
     return torch.tensor(words, dtype=torch.int64)
 
 
-def _decode(words: list[int]) -> tuple[TensorMeta, ...]:
-    metas, at = [], 1
+def _decode(words: list[int]) -> tuple[tuple[TensorMeta, ...], bool]:
+    metas, at = [], 2
     for _ in range(words[0]):
         dtype, grad, ndim = words[at : at + 3]
         shape = tuple(words[at + 3 : at + 3 + ndim])
         metas.append(TensorMeta(shape, _DTYPES[dtype], bool(grad)))
         at += 3 + ndim
-    return tuple(metas)
+    return tuple(metas), bool(words[1])
 
 
 class Pending:
@@ -114,14 +114,17 @@ class Pending:
         micro_batch: int,
         channel: int,
         wants_grad: list[bool] | None = None,
+        bare: bool = False,
     ) -> None:
         self.direction, self.micro_batch, self.channel = direction, micro_batch, channel
         self.tensors = tensors
+        self.bare = bare  # activations the sender's layer returned as one tensor, not a tuple
         self.handles = handles
         self._fail = fail
         self._wants_grad = wants_grad or []  # received activations that will take a gradient
 
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self):
+        """The received tensors: one tensor, or a tuple, as the sender's layer returned them."""
         for handle in self.handles:
             try:
                 handle.wait()
@@ -130,7 +133,7 @@ class Pending:
         for tensor, wants in zip(self.tensors, self._wants_grad, strict=False):
             if wants:
                 tensor.requires_grad_()
-        return self.tensors
+        return self.tensors[0] if self.bare else tuple(self.tensors)
 
 
 class StageLink:
@@ -142,9 +145,9 @@ class StageLink:
         self.stage, self.peer_stage, self.peer_rank = stage, peer_stage, peer_rank
         self.dynamic_shape = dynamic_shape
         # Per (mode, receiving chunk) (mode True: training): what the peer expects from us, what
-        # we expect from it.
-        self.sent_meta: dict[tuple[bool, int], tuple[TensorMeta, ...]] = {}
-        self.received_meta: dict[tuple[bool, int], tuple[TensorMeta, ...]] = {}
+        # we expect from it: the tensors, and whether they are one tensor rather than a tuple.
+        self.sent_meta: dict[tuple[bool, int], tuple[tuple[TensorMeta, ...], bool]] = {}
+        self.received_meta: dict[tuple[bool, int], tuple[tuple[TensorMeta, ...], bool]] = {}
         self._sends: list[tuple[Handle, tuple[torch.Tensor, ...]]] = []
         self.wait_s = 0.0  # time blocked in receives (a measure of exposed p2p)
         # This batch's messages, for measuring exposed p2p across ranks (one host's monotonic
@@ -155,18 +158,19 @@ class StageLink:
 
     # -- sending ------------------------------------------------------------------------------
 
-    def send_activations(
-        self, tensors: tuple[torch.Tensor, ...], micro_batch: int, train: bool, channel: int
-    ) -> None:
-        metas = describe(tensors)
+    def send_activations(self, outputs, micro_batch: int, train: bool, channel: int) -> None:
+        """``outputs``: a tensor or a tuple of tensors, received as the same."""
+        bare = isinstance(outputs, torch.Tensor)
+        tensors = (outputs,) if bare else outputs
+        metas = (describe(tensors), bare)
         known = self.sent_meta.get((train, channel))
         if known is None or self.dynamic_shape:
-            self._send_meta(metas, micro_batch, channel)
+            self._send_meta(*metas, micro_batch, channel)
             self.sent_meta[(train, channel)] = metas
         elif metas != known:
             raise PipelineShapeError(
                 f"pipeline stage {self.stage}: the outputs of micro-batch {micro_batch} are "
-                f"{_show(metas)} but were {_show(known)} before; pass dynamic_shape=True to "
+                f"{_show(*metas)} but were {_show(*known)} before; pass dynamic_shape=True to "
                 "PipelineModule if they may change"
             )
         self._send(Direction.ACTIVATIONS, tensors, micro_batch, channel)
@@ -174,12 +178,14 @@ class StageLink:
     def send_grads(self, grads: tuple[torch.Tensor, ...], micro_batch: int, channel: int) -> None:
         self._send(Direction.GRADIENTS, grads, micro_batch, channel)
 
-    def _send_meta(self, metas: tuple[TensorMeta, ...], micro_batch: int, channel: int) -> None:
+    def _send_meta(
+        self, metas: tuple[TensorMeta, ...], bare: bool, micro_batch: int, channel: int
+    ) -> None:
         if len(metas) > _MAX_TENSORS:
             raise PipeError(
                 f"pipeline stage {self.stage} sends {len(metas)} tensors; at most {_MAX_TENSORS}"
             )
-        words = _encode(metas)
+        words = _encode(metas, bare)
         length = torch.tensor([words.numel()], dtype=torch.int64)
         self._send(Direction.METADATA, (length, words), micro_batch, channel)
 
@@ -227,11 +233,17 @@ class StageLink:
         key = (train, channel)
         if key not in self.received_meta or self.dynamic_shape:
             self.received_meta[key] = self._receive_meta(micro_batch, channel)
-        metas = self.received_meta[key]
+        metas, bare = self.received_meta[key]
         tensors = [torch.empty(m.shape, dtype=m.dtype) for m in metas]
         wants = [train and m.sends_grad for m in metas]
         return self._post(
-            Direction.ACTIVATIONS, tensors, micro_batch, channel, "activations", wants_grad=wants
+            Direction.ACTIVATIONS,
+            tensors,
+            micro_batch,
+            channel,
+            "activations",
+            wants_grad=wants,
+            bare=bare,
         )
 
     def post_grads(
@@ -242,7 +254,7 @@ class StageLink:
         tensors = [torch.empty_like(t) for t in outputs if t.requires_grad]
         return self._post(Direction.GRADIENTS, tensors, micro_batch, channel, "gradients")
 
-    def wait(self, pending: Pending) -> list[torch.Tensor]:
+    def wait(self, pending: Pending):
         start = time.perf_counter()
         try:
             return pending.wait()
@@ -262,7 +274,7 @@ class StageLink:
                 )
             )
 
-    def _receive_meta(self, micro_batch: int, channel: int) -> tuple[TensorMeta, ...]:
+    def _receive_meta(self, micro_batch: int, channel: int) -> tuple[tuple[TensorMeta, ...], bool]:
         length = torch.empty(1, dtype=torch.int64)
         self._post(Direction.METADATA, [length], micro_batch, channel, "metadata").wait()
         words = torch.empty(int(length.item()), dtype=torch.int64)
@@ -278,6 +290,7 @@ class StageLink:
         what: str,
         index: int = 0,
         wants_grad: list[bool] | None = None,
+        bare: bool = False,
     ) -> Pending:
         handles = [
             dist.irecv(t, self.peer_rank, tag=_tag(direction, channel, micro_batch, index + i))
@@ -285,7 +298,7 @@ class StageLink:
         ]
         doing = f"waiting for the {what} of micro-batch {micro_batch} from stage {self.peer_stage}"
         fail = lambda err: self._fault(doing, err)  # noqa: E731
-        return Pending(tensors, handles, fail, direction, micro_batch, channel, wants_grad)
+        return Pending(tensors, handles, fail, direction, micro_batch, channel, wants_grad, bare)
 
     def _fault(self, doing: str, err: Exception) -> PipeError:
         return PipeError(
@@ -294,5 +307,6 @@ class StageLink:
         )
 
 
-def _show(metas: tuple[TensorMeta, ...]) -> str:
-    return ", ".join(f"{tuple(m.shape)} {str(m.dtype).removeprefix('torch.')}" for m in metas)
+def _show(metas: tuple[TensorMeta, ...], bare: bool = False) -> str:
+    shown = ", ".join(f"{tuple(m.shape)} {str(m.dtype).removeprefix('torch.')}" for m in metas)
+    return shown if bare else f"({shown})"

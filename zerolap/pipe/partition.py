@@ -15,8 +15,8 @@ __all__ = ["balanced_bounds", "layer_weights"]
 
 def layer_weights(method: str, *, param_counts: Sequence[int], type_names: Sequence[str]):
     """Each layer's weight under DeepSpeed's ``partition_method``: ``parameters`` (trainable
-    parameter count), ``uniform`` (1 each), ``type:<regex>`` (1 for layers whose class name
-    matches, case-insensitively, else 0)."""
+    parameter count), ``uniform`` (1 each), ``type:<regex>`` (1 for layers whose class name,
+    or a function's own name, matches, case-insensitively, else 0)."""
     lowered = method.lower()
     if lowered == "parameters":
         return list(param_counts)
@@ -27,7 +27,7 @@ def layer_weights(method: str, *, param_counts: Sequence[int], type_names: Seque
         weights = [1 if pattern.search(name) else 0 for name in type_names]
         if not any(weights):
             raise ValueError(
-                f"partition_method={method!r}: no layer's class name matches; the layers are "
+                f"partition_method={method!r}: no layer's name matches; the layers are "
                 f"{sorted(set(type_names))}"
             )
         return weights
