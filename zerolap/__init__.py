@@ -23,6 +23,7 @@ from zerolap import (
 from zerolap.accelerator import get_accelerator
 from zerolap.comm import init_distributed
 from zerolap.config import ConfigError, add_config_arguments
+from zerolap.pipe import PipelineEngine, PipelineModule
 from zerolap.runtime.engine import DeepSpeedEngine, ZerolapEngine
 from zerolap.runtime.initialize import initialize, tp_model_init
 from zerolap.utils import RepeatingLoader, log_dist, logger
@@ -34,6 +35,8 @@ DeepSpeedConfigError = ConfigError  # DeepSpeed's name for a rejected ds_config
 __all__ = [
     "DeepSpeedConfigError",
     "DeepSpeedEngine",
+    "PipelineEngine",
+    "PipelineModule",
     "RepeatingLoader",
     "ZerolapEngine",
     "__version__",

@@ -50,6 +50,7 @@ MODULES: dict[str, str] = {
     "ops.adam": "zerolap.ops.adam",
     "pipe": "zerolap.pipe",
     "runtime": "zerolap.runtime",
+    "runtime.dataloader": "zerolap.utils.data",
     "runtime.engine": "zerolap.runtime.engine",
     "runtime.lr_schedules": "zerolap.runtime.lr_schedules",
     "runtime.pipe": "zerolap.pipe",

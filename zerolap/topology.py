@@ -19,10 +19,19 @@ group, in one order, as torch requires) or read from a Megatron-style ``mpu`` ob
 (``mesh_from_mpu``). A ``Mesh`` answers the ``mpu`` methods DeepSpeed's clients call
 (``get_data_parallel_group``, ``get_tensor_model_parallel_rank``, ...), so it can be passed
 wherever an ``mpu`` is expected.
+
+DeepSpeed's own objects for the same mesh are views of these: ``ProcessTopology`` (named axes,
+the last varying fastest; ``PipeDataParallelTopology`` is (pipe, data),
+``PipeModelDataParallelTopology`` (pipe, data, model), our order) and ``PipelineParallelGrid``
+(a pipeline engine's ``grid``: this rank's coordinates and groups, where "model parallel" means
+every rank of one copy of the model, stages and tensor ranks together).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
+from collections import namedtuple
 from dataclasses import dataclass
 
 import torch.distributed as torch_dist
@@ -34,8 +43,11 @@ __all__ = [
     "ParallelDims",
     "PipeDataParallelTopology",
     "PipeModelDataParallelTopology",
+    "PipelineParallelGrid",
+    "ProcessTopology",
     "build_mesh",
     "mesh_from_mpu",
+    "parallel_dims",
 ]
 
 
@@ -94,19 +106,130 @@ class ParallelDims:
         """The global ranks that together hold one copy of the model."""
         return [self.rank_of(p, data_rank, t) for p in range(self.pipe) for t in range(self.tensor)]
 
-    # DeepSpeed's topology objects (``PipeDataParallelTopology``) answer these.
+    def topology(self) -> ProcessTopology:
+        """DeepSpeed's topology object for these degrees."""
+        if self.tensor > 1:
+            return PipeModelDataParallelTopology(self.pipe, self.tensor, self.data)
+        return PipeDataParallelTopology(self.pipe, self.data)
+
+
+class ProcessTopology:
+    """DeepSpeed's ``ProcessTopology``: ranks laid out over named ``axes`` of sizes ``dims``,
+    the last axis varying fastest (rank = row-major index of the coordinates)."""
+
+    def __init__(self, axes: list[str], dims: list[int]) -> None:
+        if len(axes) != len(dims) or len(set(axes)) != len(axes):
+            raise ValueError(
+                f"ProcessTopology: axes {axes} and dims {dims} must pair up, once each"
+            )
+        if any(d < 1 for d in dims):
+            raise ValueError(f"ProcessTopology: every dim must be at least 1, got {dims}")
+        self.axes, self.dims = list(axes), list(dims)
+        self.ProcessCoord = namedtuple("ProcessCoord", self.axes)
+
+    def world_size(self) -> int:
+        return math.prod(self.dims)
+
+    def get_axis_names(self) -> list[str]:
+        return self.axes
+
     def get_dim(self, axis: str) -> int:
-        return {"pipe": self.pipe, "data": self.data, "model": self.tensor}[axis]
+        """The size of ``axis``; 0 for an axis the topology does not have (DeepSpeed's answer,
+        which lets code written for 3D run on 2D topologies)."""
+        return self.dims[self.axes.index(axis)] if axis in self.axes else 0
+
+    def get_coord(self, rank: int):
+        if not 0 <= rank < self.world_size():
+            raise ValueError(f"rank {rank} is not in a topology of {self.world_size()} ranks")
+        coords = []
+        for dim in reversed(self.dims):
+            rank, coord = divmod(rank, dim)
+            coords.append(coord)
+        return self.ProcessCoord(*reversed(coords))
+
+    def get_rank(self, **coords: int) -> int:
+        if sorted(coords) != sorted(self.axes):
+            raise ValueError(
+                f"get_rank() takes a coordinate on every axis of {self.axes}, got "
+                f"{sorted(coords)}; filter_match() selects on some"
+            )
+        rank = 0
+        for axis, dim in zip(self.axes, self.dims, strict=True):
+            if not 0 <= coords[axis] < dim:
+                raise ValueError(f"{axis}={coords[axis]} is outside 0..{dim - 1}")
+            rank = rank * dim + coords[axis]
+        return rank
+
+    def get_rank_repr(
+        self, rank: int, omit_axes=("data", "pipe"), inner_sep: str = "_", outer_sep: str = "-"
+    ) -> str:
+        """``model_01``-style names of ``rank``'s coordinates on the axes not omitted (what
+        DeepSpeed's checkpoint file names use)."""
+        coord = self.get_coord(rank)
+        return outer_sep.join(
+            f"{axis}{inner_sep}{getattr(coord, axis):02d}"
+            for axis in self.axes
+            if axis not in omit_axes
+        )
+
+    def filter_match(self, **selection: int) -> list[int]:
+        """The ranks whose coordinates equal ``selection`` on the axes it names."""
+        return [
+            rank
+            for rank in range(self.world_size())
+            if all(getattr(self.get_coord(rank), a) == v for a, v in selection.items())
+        ]
+
+    def get_axis_list(self, axis: str, idx: int) -> list[int]:
+        """The ranks at coordinate ``idx`` on ``axis``."""
+        return self.filter_match(**{axis: idx})
+
+    def get_axis_comm_lists(self, axis: str) -> list[list[int]]:
+        """One list per combination of the other axes: the ranks along ``axis`` there (the
+        groups that talk along it); none for an axis the topology does not have."""
+        if axis not in self.axes:
+            return []
+        others = [a for a in self.axes if a != axis]
+        lists = []
+        for values in itertools.product(*(range(self.get_dim(a)) for a in others)):
+            fixed = dict(zip(others, values, strict=True))
+            lists.append([self.get_rank(**fixed, **{axis: i}) for i in range(self.get_dim(axis))])
+        return lists
+
+    def __str__(self) -> str:
+        return str({self.get_coord(r): r for r in range(self.world_size())})
 
 
-def PipeDataParallelTopology(num_pp: int, num_dp: int) -> ParallelDims:
-    """DeepSpeed's topology of ``num_pp`` stages times ``num_dp`` data-parallel copies."""
-    return ParallelDims(num_pp * num_dp, tensor=1, pipe=num_pp)
+class PipeDataParallelTopology(ProcessTopology):
+    """``num_pp`` pipeline stages times ``num_dp`` data-parallel copies."""
+
+    def __init__(self, num_pp: int, num_dp: int) -> None:
+        super().__init__(["pipe", "data"], [num_pp, num_dp])
 
 
-def PipeModelDataParallelTopology(num_pp: int, num_mp: int, num_dp: int) -> ParallelDims:
-    """DeepSpeed's (Megatron-DeepSpeed's) 3D topology: stages x data copies x tensor ranks."""
-    return ParallelDims(num_pp * num_mp * num_dp, tensor=num_mp, pipe=num_pp)
+class PipeModelDataParallelTopology(ProcessTopology):
+    """Megatron-DeepSpeed's 3D topology: stages x data copies x tensor ("model") ranks."""
+
+    def __init__(self, num_pp: int, num_mp: int, num_dp: int) -> None:
+        super().__init__(["pipe", "data", "model"], [num_pp, num_dp, num_mp])
+
+
+def parallel_dims(topology: ParallelDims | ProcessTopology) -> ParallelDims:
+    """``topology`` as our degrees; a DeepSpeed topology must lay ranks out as we do (axes a
+    prefix-respecting subset of pipe, data, model in that order), which DeepSpeed's own are."""
+    if isinstance(topology, ParallelDims):
+        return topology
+    axes = topology.get_axis_names()
+    if [a for a in ("pipe", "data", "model") if a in axes] != axes:
+        raise ValueError(
+            f"a topology with axes {axes}: zerolap lays ranks out as (pipe, data, model), the "
+            "last varying fastest, and takes topologies whose axes are those, in that order"
+        )
+    return ParallelDims(
+        topology.world_size(),
+        tensor=max(topology.get_dim("model"), 1),
+        pipe=max(topology.get_dim("pipe"), 1),
+    )
 
 
 @dataclass
@@ -187,6 +310,118 @@ class Mesh:
     get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
     get_pipe_parallel_rank = get_pipeline_model_parallel_rank
     get_stage_id = get_pipeline_model_parallel_rank
+
+
+class PipelineParallelGrid:
+    """DeepSpeed's grid: this rank's place in a pipeline job, and its groups (a pipeline
+    engine's ``grid``). Built from a ``topology`` it creates the job's groups (every rank must
+    build it); ``mesh=`` views a mesh that has them. A degree of 1 has no group: its getter
+    gives None, or for the data-parallel group the whole job's."""
+
+    def __init__(self, topology=None, process_group=None, *, mesh: Mesh | None = None) -> None:
+        if process_group is not None:
+            raise ValueError(
+                "PipelineParallelGrid(process_group=...): the grid covers the whole job; "
+                "DeepSpeed ignores this argument, zerolap refuses it rather than do the same"
+            )
+        if mesh is None:
+            if topology is None:  # DeepSpeed's default: prime factors dealt to pipe, data
+                factors = _prime_factors(dist.get_world_size())
+                topology = PipeDataParallelTopology(
+                    math.prod(factors[0::2]), math.prod(factors[1::2])
+                )
+            dims = parallel_dims(topology)
+            if dims.world_size != dist.get_world_size():
+                raise ValueError(
+                    f"PipelineParallelGrid: the topology has {dims.world_size} ranks, the job "
+                    f"{dist.get_world_size()}"
+                )
+            mesh = build_mesh(dims.tensor, dims.pipe)
+        self.mesh = mesh
+        self._topo = topology if topology is not None else mesh.dims.topology()
+        dims = mesh.dims
+        self.global_rank, self.world_size = mesh.rank, dims.world_size
+        self.pipe_parallel_size, self.data_parallel_size = dims.pipe, dims.data
+        self.model_parallel_size = self.slice_parallel_size = dims.tensor
+        self.stage_id, self.data_parallel_id = mesh.pipe_rank, mesh.data_rank
+
+    def topology(self) -> ProcessTopology:
+        return self._topo
+
+    def get_global_rank(self) -> int:
+        return self.global_rank
+
+    def get_stage_id(self) -> int:
+        return self.stage_id
+
+    def get_data_parallel_id(self) -> int:
+        return self.data_parallel_id
+
+    def stage_to_global(self, stage_id: int, **coords: int) -> int:
+        """The global rank of ``stage_id`` at this rank's other coordinates (or ``coords``)."""
+        here = self.mesh.dims.coordinates(self.global_rank)
+        data = coords.pop("data", here[1])
+        tensor = coords.pop("model", here[2])
+        if coords:
+            raise ValueError(f"stage_to_global: no axes {sorted(coords)} in this grid")
+        return self.mesh.dims.rank_of(stage_id, data, tensor)
+
+    def get_pipe_parallel_rank(self) -> int:
+        return self.stage_id
+
+    def get_pipe_parallel_world_size(self) -> int:
+        return self.pipe_parallel_size
+
+    def get_pipe_parallel_group(self):
+        return self.mesh.pipe_group
+
+    get_pipeline_model_parallel_rank = get_pipe_parallel_rank
+    get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self.data_parallel_id
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.data_parallel_size
+
+    def get_data_parallel_group(self):
+        return self.mesh.get_data_parallel_group()
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return self.mesh.dims.data_ranks(self.mesh.tensor_rank, self.stage_id)
+
+    # "Model parallel" in DeepSpeed's grid: every rank of this copy of the model.
+    def get_model_parallel_rank(self) -> int:
+        return self.stage_id * self.mesh.dims.tensor + self.mesh.tensor_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.pipe_parallel_size * self.slice_parallel_size
+
+    def get_model_parallel_group(self):
+        return self.mesh.model_group
+
+    # "Slice parallel": the tensor-parallel ranks (Megatron's tensor slicing).
+    def get_slice_parallel_rank(self) -> int:
+        return self.mesh.tensor_rank
+
+    def get_slice_parallel_world_size(self) -> int:
+        return self.slice_parallel_size
+
+    def get_slice_parallel_group(self):
+        return self.mesh.tensor_group
+
+    get_tensor_model_parallel_rank = get_slice_parallel_rank
+    get_tensor_model_parallel_world_size = get_slice_parallel_world_size
+
+
+def _prime_factors(n: int) -> list[int]:
+    factors, candidate = [], 2
+    while n > 1:
+        while n % candidate == 0:
+            factors.append(candidate)
+            n //= candidate
+        candidate += 1
+    return factors
 
 
 def build_mesh(tensor: int = 1, pipe: int = 1) -> Mesh:

@@ -75,10 +75,14 @@ def micro_batches(step: int, gas: int, data: int, data_rank: int) -> list:
     return out
 
 
-def reference(steps: int, gas: int, data: int, clip: float = CLIP, autocast: bool = False):
+def reference(
+    steps: int, gas: int | list[int], data: int, clip: float = CLIP, autocast: bool = False
+):
     """One process, one copy of the model, gradient accumulation over all ``gas * data``
-    micro-batches: per step the mean loss, the gradient norm, and the final parameters.
-    ``autocast``: the model's forward (not the loss) under bf16 autocast."""
+    micro-batches (``gas``: one count, or one per step): per step the mean loss, the gradient
+    norm, and the final parameters. ``autocast``: the model's forward (not the loss) under
+    bf16 autocast."""
+    counts = gas if isinstance(gas, list) else [gas] * steps
     torch.set_num_threads(1)
     model = pipeline(1)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
@@ -87,11 +91,11 @@ def reference(steps: int, gas: int, data: int, clip: float = CLIP, autocast: boo
         opt.zero_grad()
         step_losses = []
         for data_rank in range(data):
-            for tokens, targets in micro_batches(step, gas, data, data_rank):
+            for tokens, targets in micro_batches(step, counts[step], data, data_rank):
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
                     out = model(tokens)
                 loss = loss_fn(out, targets)
-                (loss / (gas * data)).backward()
+                (loss / (counts[step] * data)).backward()
                 step_losses.append(loss.detach())
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or 1e30).item())
         opt.step()

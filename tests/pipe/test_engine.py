@@ -417,6 +417,64 @@ def test_an_epoch_that_ends_mid_batch_stops_every_rank_and_the_next_one_runs(sta
         assert losses == expected  # the short batch changed nothing
 
 
+def grid_and_batch_ramp(counts: list[int]):
+    """DeepSpeed's grid on data parallelism 2 x 2 stages, and a batch ramp-up by
+    set_train_batch_size between steps (Megatron-DeepSpeed's)."""
+    engine, *_ = zerolap.initialize(model=models.pipeline(2), config=_config(1, counts[0]))
+    g = engine.grid
+    grid = {
+        "stage": (g.get_stage_id(), g.get_pipe_parallel_rank(), g.get_pipe_parallel_world_size()),
+        "data": (g.get_data_parallel_rank(), g.get_data_parallel_world_size()),
+        "data ranks": g.get_data_parallel_group_ranks(),
+        "model": (g.get_model_parallel_rank(), g.get_model_parallel_world_size()),
+        "slice": (g.get_slice_parallel_rank(), g.get_slice_parallel_world_size()),
+        "last stage": g.stage_to_global(1),
+        "axes": engine.module.topology().get_axis_names(),
+        "parallel": (engine.is_pipe_parallel, engine.is_data_parallel),
+    }
+    errors = []
+    for bad in (models.MICRO * 2 * 3 + 1, models.MICRO * 2):  # does not split; 1 < 2 stages
+        try:
+            engine.set_train_batch_size(bad)
+        except (ValueError, ConfigError) as error:
+            errors.append(f"{type(error).__name__}: {error}")
+    losses = []
+    for step, count in enumerate(counts):
+        engine.set_train_batch_size(models.MICRO * 2 * count)
+        batches = models.micro_batches(step, count, 2, engine.get_data_parallel_rank())
+        losses.append(engine.train_batch(iter(batches)).item())
+        assert engine.agg_train_loss.item() == losses[-1]
+    params = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    return grid, errors, losses, params
+
+
+def test_grid_topology_and_a_batch_ramp_up(ranks):
+    counts = [2, 2, 4, 4]
+    results = ranks(4).run(grid_and_batch_ramp, counts)
+    for rank, (grid, *_) in enumerate(results):
+        stage, data = divmod(rank, 2)  # (pipe, data) with data fastest
+        assert grid == {
+            "stage": (stage, stage, 2),
+            "data": (data, 2),
+            "data ranks": [2 * stage, 2 * stage + 1],
+            "model": (stage, 2),  # DeepSpeed's grid: every rank of one copy of the model
+            "slice": (0, 1),
+            "last stage": 2 + data,
+            "axes": ["pipe", "data"],
+            "parallel": (True, True),
+        }
+    errors = results[0][1]
+    assert errors[0].startswith("ValueError: set_train_batch_size(13): the global batch must")
+    assert errors[1].startswith("ConfigError: gradient_accumulation_steps=1 gives each")
+    ref_losses, _, ref_params = models.reference(len(counts), counts, 2)
+    merged = {}
+    for _, _, losses, params in results:
+        assert losses == pytest.approx(ref_losses, rel=1e-6)
+        merged.update(params)
+    worst = max((_relative(merged[n], ref_params[n]), n) for n in ref_params)
+    assert worst[0] < 1e-6, worst
+
+
 def test_too_few_layers_for_the_stages_is_named():
     with pytest.raises(ValueError, match="3 layer\\(s\\) cannot be split into 4 pipeline stages"):
         from zerolap.pipe.partition import balanced_bounds

@@ -227,3 +227,37 @@ def test_interleaved_bubble_shrinks_as_the_theory_says(stages, micro_batches, ch
 def test_interleaving_needs_micro_batches_in_groups_of_the_stages():
     with pytest.raises(ValueError, match="not a multiple"):
         schedule(stages=4, stage=0, micro_batches=6, chunks=2)
+
+
+def test_process_topology_answers_as_deepspeeds():
+    """Values DeepSpeed 0.19.8's own topology classes give for the same calls."""
+    from zerolap.topology import (
+        PipeDataParallelTopology,
+        PipeModelDataParallelTopology,
+        ProcessTopology,
+        parallel_dims,
+    )
+
+    topo = PipeModelDataParallelTopology(num_pp=2, num_mp=3, num_dp=2)
+    assert topo.get_axis_names() == ["pipe", "data", "model"] and topo.world_size() == 12
+    assert tuple(topo.get_coord(7)) == (1, 0, 1) and topo.get_coord(7).model == 1
+    assert topo.get_rank(pipe=1, data=1, model=2) == 11
+    assert topo.get_axis_comm_lists("pipe") == [[0, 6], [1, 7], [2, 8], [3, 9], [4, 10], [5, 11]]
+    assert topo.get_axis_comm_lists("data") == [[0, 3], [1, 4], [2, 5], [6, 9], [7, 10], [8, 11]]
+    assert topo.get_axis_comm_lists("model") == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+    assert [topo.get_rank_repr(r) for r in (0, 4, 11)] == ["model_00", "model_01", "model_02"]
+    assert topo.filter_match(pipe=0, data=1) == [3, 4, 5]
+    assert topo.get_axis_list("model", 1) == [1, 4, 7, 10]
+    assert parallel_dims(topo) == ParallelDims(12, tensor=3, pipe=2)
+    flat = PipeDataParallelTopology(num_pp=3, num_dp=2)
+    assert flat.get_dim("model") == 0 and flat.get_axis_comm_lists("model") == []
+    assert flat.get_axis_comm_lists("pipe") == [[0, 2, 4], [1, 3, 5]]
+    assert ParallelDims(6, pipe=3).topology().get_axis_comm_lists("data") == [
+        [0, 1],
+        [2, 3],
+        [4, 5],
+    ]
+    with pytest.raises(ValueError, match="get_rank\\(\\) takes a coordinate on every axis"):
+        topo.get_rank(pipe=0)
+    with pytest.raises(ValueError, match="axes \\['data', 'pipe'\\]: zerolap lays ranks out"):
+        parallel_dims(ProcessTopology(["data", "pipe"], [2, 2]))

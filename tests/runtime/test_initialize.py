@@ -73,6 +73,47 @@ def check_four_tuple_and_accessors(tmp: str) -> dict:
     return {"samples": sorted(x for b in seen for x in b), "lrs": lrs}
 
 
+def ramp_the_batch() -> dict:
+    """set_train_batch_size between steps: the next step takes the new count of micro-batches
+    (the boundary counts this step's, whatever came before); refused mid-step."""
+    config = {**BASE, "gradient_accumulation_steps": 1}
+    config["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+    engine, *_ = zerolap.initialize(model=_model(), config=config)
+    n = dist.get_world_size()
+    steps_after, errors = [], []
+
+    def micro_batch() -> None:
+        engine.backward(engine(torch.ones(2, 4)).mean())
+        engine.step()
+        steps_after.append(engine.global_steps)
+
+    for count in (1, 3, 2):  # micro-batches per step: 1, then 3, then 2
+        engine.set_train_batch_size(2 * n * count)
+        for _ in range(count):
+            micro_batch()
+            if engine.micro_in_step == 1:  # one micro-batch into a step
+                try:
+                    engine.set_train_batch_size(2 * n)
+                except RuntimeError as error:
+                    errors.append(str(error))
+    try:
+        engine.set_train_batch_size(2 * n + 1)
+    except ValueError as error:
+        errors.append(str(error))
+    return {"steps": steps_after, "errors": errors, "samples": engine.global_samples}
+
+
+def test_set_train_batch_size_changes_the_micro_batches_per_step(ranks):
+    result = ranks(2).run(ramp_the_batch)[0]
+    assert result["steps"] == [1, 1, 1, 2, 2, 3]
+    assert result["samples"] == 4 * (1 + 3 + 2)
+    assert result["errors"][:2] == [
+        f"set_train_batch_size() 1 micro-batch(es) into step {step}: call it between steps"
+        for step in (2, 3)
+    ]
+    assert result["errors"][-1].startswith("set_train_batch_size(5): the global batch must be")
+
+
 def test_initialize_returns_the_four_tuple(ranks, tmp_path):
     results = ranks(2).run(check_four_tuple_and_accessors, str(tmp_path))
     # The sampler splits the data between ranks, each sample once.

@@ -315,6 +315,7 @@ def save_checkpoint(
                     "global_steps": engine.global_steps,
                     "global_samples": engine.global_samples,
                     "micro_steps": engine.micro_steps,
+                    "micro_in_step": engine.micro_in_step,
                     "skipped_steps": engine.skipped_steps,
                     "lr_scheduler": engine.lr_scheduler.state_dict()
                     if engine.lr_scheduler
@@ -361,17 +362,16 @@ def _finish_files(staged: Path, save: dict, model_states: dict, digests: list) -
 
 
 def _resume_accumulation(engine, saved: dict) -> None:
-    """The next micro-batch starts a step. A checkpoint holds no gradients accumulated towards
-    an unfinished step, and this run may accumulate over another count than the saved one
-    (another data-parallel size for the same global batch): the saved ``micro_steps`` would
-    put the boundary mid-step."""
-    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    accumulation = (saved.get("ds_config") or {}).get("gradient_accumulation_steps")
-    if isinstance(accumulation, int) and saved["micro_steps"] % accumulation:
+    """The next micro-batch starts a step, of this run's accumulation count (another
+    data-parallel size for the same global batch accumulates over another). A checkpoint
+    holds no gradients accumulated towards an unfinished step."""
+    engine.micro_in_step = 0
+    into = saved.get("micro_in_step", 0)  # absent: saved by DeepSpeed or an older zerolap
+    if into:
         logger.warning(
-            f"the checkpoint was saved {saved['micro_steps'] % accumulation} micro-batch(es) "
-            f"into step {saved['global_steps'] + 1}, whose accumulated gradients a checkpoint "
-            "does not hold: that step starts afresh"
+            f"the checkpoint was saved {into} micro-batch(es) into step "
+            f"{saved['global_steps'] + 1}, whose accumulated gradients a checkpoint does not "
+            "hold: that step starts afresh"
         )
 
 
@@ -618,7 +618,7 @@ def load_checkpoint(
         engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     if saved["loss_scaler"] is not None:
         engine.loss_scaler.load_state_dict(saved["loss_scaler"])
-    for counter in ("global_steps", "global_samples", "skipped_steps"):
+    for counter in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
         setattr(engine, counter, saved[counter])
     _resume_accumulation(engine, saved)
     engine.nonfinite.reset()  # a rollback starts a fresh count of skips in a row

@@ -40,6 +40,7 @@ from zerolap.pipe.report import batch_report
 from zerolap.pipe.schedule import Op, Step, forward_only, schedule
 from zerolap.pipe.weight_grad import DeferredWeights
 from zerolap.runtime.engine import ZerolapEngine
+from zerolap.topology import PipelineParallelGrid
 from zerolap.utils.logging import logger
 
 __all__ = ["PipelineEngine", "PipelineError", "check_pipeline_config"]
@@ -153,19 +154,7 @@ class PipelineEngine(ZerolapEngine):
         self.num_stages = mesh.dims.pipe
         self.stage_id = mesh.pipe_rank
         self.chunks = module.virtual_stages  # chunks of layers per rank (interleaved 1F1B)
-        self.micro_batches = self.gradient_accumulation_steps()
-        if self.micro_batches < self.num_stages:
-            raise ConfigError(
-                f"gradient_accumulation_steps={self.micro_batches} gives each train_batch fewer "
-                f"micro-batches than the {self.num_stages} pipeline stages; use at least "
-                f"{self.num_stages} (many more keep the bubble small)"
-            )
-        if self.chunks > 1 and self.micro_batches % self.num_stages:
-            raise ConfigError(
-                f"gradient_accumulation_steps={self.micro_batches}: interleaved 1F1B "
-                f"(virtual_stages={self.chunks}) takes micro-batches in groups of the "
-                f"{self.num_stages} stages; use a multiple of {self.num_stages}"
-            )
+        self.micro_batches = self._checked_micro_batches(self.gradient_accumulation_steps())
         if self.num_stages * self.chunks > MAX_CHUNKS:
             raise ConfigError(
                 f"{self.num_stages} stages x virtual_stages={self.chunks} chunks: at most "
@@ -213,6 +202,7 @@ class PipelineEngine(ZerolapEngine):
         self._backward_at = (Op.BACKWARD, 0)
         self.data_iterator: Iterator | None = None
         self.batch_fn: Callable | None = None
+        self.agg_train_loss: torch.Tensor | None = None  # the last train_batch's, as returned
         self.last_stats: dict | None = None  # the last train_batch's measurements
 
     def _link(self, peer: int) -> StageLink:
@@ -351,6 +341,42 @@ class PipelineEngine(ZerolapEngine):
     def is_last_stage(self) -> bool:
         return self.stage_id == self.num_stages - 1
 
+    def _checked_micro_batches(self, count: int) -> int:
+        if count < self.num_stages:
+            raise ConfigError(
+                f"gradient_accumulation_steps={count} gives each train_batch fewer "
+                f"micro-batches than the {self.num_stages} pipeline stages; use at least "
+                f"{self.num_stages} (many more keep the bubble small)"
+            )
+        if self.chunks > 1 and count % self.num_stages:
+            raise ConfigError(
+                f"gradient_accumulation_steps={count}: interleaved 1F1B "
+                f"(virtual_stages={self.chunks}) takes micro-batches in groups of the "
+                f"{self.num_stages} stages; use a multiple of {self.num_stages}"
+            )
+        return count
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """A new global batch, by another number of micro-batches per ``train_batch``."""
+        per_micro_batch = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if train_batch_size >= 1 and train_batch_size % per_micro_batch == 0:
+            self._checked_micro_batches(train_batch_size // per_micro_batch)
+        super().set_train_batch_size(train_batch_size)  # which names a batch that does not split
+        self.micro_batches = self.gradient_accumulation_steps()
+
+    @functools.cached_property
+    def grid(self) -> PipelineParallelGrid:
+        """DeepSpeed's grid of this job: coordinates and groups (``zerolap.topology``)."""
+        return PipelineParallelGrid(mesh=self.mesh)
+
+    @property
+    def is_pipe_parallel(self) -> bool:
+        return self.num_stages > 1
+
+    @property
+    def is_data_parallel(self) -> bool:
+        return self.mesh.dims.data > 1
+
     def set_dataiterator(self, iterator: Iterator) -> None:
         self.data_iterator = iterator
 
@@ -388,7 +414,8 @@ class PipelineEngine(ZerolapEngine):
             self._boundary = None
         self.micro_steps += self.micro_batches - 1
         self.last_stats = stats
-        return self._aggregate(batch.losses, broadcast=True)
+        self.agg_train_loss = self._aggregate(batch.losses, broadcast=True)
+        return self.agg_train_loss
 
     def pipeline_report(self) -> dict:
         """The last train_batch seen from every stage (``pipe.report.batch_report``): per stage

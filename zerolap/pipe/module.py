@@ -24,7 +24,7 @@ from torch import nn
 import zerolap.comm as dist
 from zerolap import checkpointing
 from zerolap.pipe.partition import balanced_bounds, layer_weights
-from zerolap.topology import ParallelDims
+from zerolap.topology import ParallelDims, ProcessTopology, parallel_dims
 
 __all__ = ["LayerSpec", "PipelineModule", "TiedLayerSpec"]
 
@@ -70,7 +70,7 @@ class TiedLayerSpec(LayerSpec):
 
 class PipelineModule(nn.Module):
     """This stage's layers of ``layers``, split over ``num_stages`` stages (or as ``topology``,
-    a ``zerolap.topology.ParallelDims`` / DeepSpeed topology, says).
+    a DeepSpeed topology or a ``zerolap.topology.ParallelDims``, says).
 
     ``loss_fn(outputs, labels)`` gives the last stage's loss (without it, the last layer's
     output is the loss). ``partition_method``: ``parameters``, ``uniform`` or ``type:<regex>``
@@ -87,7 +87,7 @@ class PipelineModule(nn.Module):
         self,
         layers: Sequence[Any],
         num_stages: int | None = None,
-        topology: ParallelDims | None = None,
+        topology: ProcessTopology | ParallelDims | None = None,
         loss_fn: Callable | None = None,
         seed_layers: bool = False,
         seed_fn: Callable[[int], Any] | None = None,
@@ -110,6 +110,7 @@ class PipelineModule(nn.Module):
                     "nn.Module, a LayerSpec, a TiedLayerSpec or a function"
                 )
         self._dims = _dims(num_stages, topology)
+        self._topology = topology if isinstance(topology, ProcessTopology) else None
         self.num_stages = self._dims.pipe
         rank = dist.get_rank() if dist.is_initialized() else 0
         self.stage_id = self._dims.coordinates(rank)[0]
@@ -244,8 +245,9 @@ class PipelineModule(nn.Module):
     def num_pipeline_stages(self) -> int:
         return self.num_stages
 
-    def topology(self) -> ParallelDims:
-        return self._dims
+    def topology(self) -> ProcessTopology:
+        """DeepSpeed's topology object: the one given, else the one of the degrees."""
+        return self._topology or self._dims.topology()
 
     # -- running ------------------------------------------------------------------------------
 
@@ -295,6 +297,7 @@ def _run_many(funcs: list[Callable], *inputs):
 def _dims(num_stages: int | None, topology) -> ParallelDims:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if topology is not None:
+        topology = parallel_dims(topology)
         if topology.world_size != world:
             raise ValueError(
                 f"PipelineModule(topology=...) describes {topology.world_size} ranks but the "

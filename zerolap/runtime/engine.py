@@ -208,6 +208,10 @@ class ZerolapEngine(torch.nn.Module):
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
+        # Micro-batches of the step under way (the boundary is counted on this, not on
+        # micro_steps, so a step is whole when the accumulation count changes between steps:
+        # set_train_batch_size, a checkpoint loaded at another data-parallel size).
+        self.micro_in_step = 0
         self.skipped_steps = 0
         self._no_sync = False
         self._boundary: bool | None = None  # set_gradient_accumulation_boundary's override
@@ -606,7 +610,7 @@ class ZerolapEngine(torch.nn.Module):
         ``set_gradient_accumulation_boundary`` decided it."""
         if self._boundary is not None:
             return self._boundary
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+        return self.micro_in_step + 1 >= self.gradient_accumulation_steps()
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
         """Decide the boundary from outside, before each backward (Accelerate does, and calls
@@ -691,6 +695,9 @@ class ZerolapEngine(torch.nn.Module):
             self.global_samples += self.train_batch_size()
             self._cycle_fresh = True
             self._report_progress()
+            self.micro_in_step = 0
+        else:
+            self.micro_in_step += 1
         self.micro_steps += 1
         self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
         if stop is not None:
@@ -769,6 +776,30 @@ class ZerolapEngine(torch.nn.Module):
 
     def gradient_accumulation_steps(self) -> int:
         return self._config.gradient_accumulation_steps
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """A new global batch, by another number of micro-batches per step (the micro-batch
+        stays ``train_micro_batch_size_per_gpu``), from the next step on: what batch-size
+        ramp-up schedules call between steps (Megatron-DeepSpeed's)."""
+        per_micro_batch = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if train_batch_size < 1 or train_batch_size % per_micro_batch:
+            raise ValueError(
+                f"set_train_batch_size({train_batch_size}): the global batch must be a positive "
+                f"multiple of train_micro_batch_size_per_gpu x data-parallel size = "
+                f"{self.train_micro_batch_size_per_gpu()} x {self.dp_world_size}"
+            )
+        if self.micro_in_step:
+            raise RuntimeError(
+                f"set_train_batch_size() {self.micro_in_step} micro-batch(es) into step "
+                f"{self.global_steps + 1}: call it between steps"
+            )
+        self._config = self._config.model_copy(
+            update={
+                "train_batch_size": train_batch_size,
+                "gradient_accumulation_steps": train_batch_size // per_micro_batch,
+            }
+        )
+        self.tput_timer.batch_size = train_batch_size  # samples/s counts the new batch
 
     def gradient_clipping(self) -> float:
         return self._config.gradient_clipping
