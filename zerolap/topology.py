@@ -314,15 +314,18 @@ class Mesh:
 
 class PipelineParallelGrid:
     """DeepSpeed's grid: this rank's place in a pipeline job, and its groups (a pipeline
-    engine's ``grid``). Built from a ``topology`` it creates the job's groups (every rank must
-    build it); ``mesh=`` views a mesh that has them. A degree of 1 has no group: its getter
-    gives None, or for the data-parallel group the whole job's."""
+    engine's ``grid``). Built from a ``topology`` it creates the job's groups; ``mesh=`` views a
+    mesh that has them. Either way every rank must build it: where a degree is 1 the mesh has no
+    group (torch's ``None`` would mean the whole job), so the grid makes groups of one rank, as
+    DeepSpeed's does, and a collective over them stays on this rank."""
 
     def __init__(self, topology=None, process_group=None, *, mesh: Mesh | None = None) -> None:
-        if process_group is not None:
+        world = dist.get_world_size()
+        if process_group is not None and dist.get_world_size(process_group) != world:
             raise ValueError(
-                "PipelineParallelGrid(process_group=...): the grid covers the whole job; "
-                "DeepSpeed ignores this argument, zerolap refuses it rather than do the same"
+                "PipelineParallelGrid(process_group=...): a group of "
+                f"{dist.get_world_size(process_group)} of the job's {world} ranks; the grid "
+                "covers the whole job (DeepSpeed ignores the argument)"
             )
         if mesh is None:
             if topology is None:  # DeepSpeed's default: prime factors dealt to pipe, data
@@ -344,6 +347,20 @@ class PipelineParallelGrid:
         self.pipe_parallel_size, self.data_parallel_size = dims.pipe, dims.data
         self.model_parallel_size = self.slice_parallel_size = dims.tensor
         self.stage_id, self.data_parallel_id = mesh.pipe_rank, mesh.data_rank
+        # DeepSpeed's rank lists of this rank's groups.
+        self.pp_group = dims.pipe_ranks(mesh.data_rank, mesh.tensor_rank)
+        self.dp_group = dims.data_ranks(mesh.tensor_rank, mesh.pipe_rank)
+        self.slice_group = dims.tensor_ranks(mesh.data_rank, mesh.pipe_rank)
+        alone = None
+        if mesh.pipe_group is None or mesh.tensor_group is None:
+            for rank in range(world):  # every rank creates every group, in one order
+                group = dist.new_group([rank])
+                if rank == mesh.rank:
+                    alone = group
+        mine = [mesh.pipe_group, mesh.tensor_group, mesh.model_group]
+        self._pipe_group, self._slice_group, self._model_group = (
+            alone if group is None else group for group in mine
+        )
 
     def topology(self) -> ProcessTopology:
         return self._topo
@@ -373,7 +390,7 @@ class PipelineParallelGrid:
         return self.pipe_parallel_size
 
     def get_pipe_parallel_group(self):
-        return self.mesh.pipe_group
+        return self._pipe_group
 
     get_pipeline_model_parallel_rank = get_pipe_parallel_rank
     get_pipeline_model_parallel_world_size = get_pipe_parallel_world_size
@@ -388,7 +405,7 @@ class PipelineParallelGrid:
         return self.mesh.get_data_parallel_group()
 
     def get_data_parallel_group_ranks(self) -> list[int]:
-        return self.mesh.dims.data_ranks(self.mesh.tensor_rank, self.stage_id)
+        return self.dp_group
 
     # "Model parallel" in DeepSpeed's grid: every rank of this copy of the model.
     def get_model_parallel_rank(self) -> int:
@@ -398,7 +415,7 @@ class PipelineParallelGrid:
         return self.pipe_parallel_size * self.slice_parallel_size
 
     def get_model_parallel_group(self):
-        return self.mesh.model_group
+        return self._model_group
 
     # "Slice parallel": the tensor-parallel ranks (Megatron's tensor slicing).
     def get_slice_parallel_rank(self) -> int:
@@ -408,7 +425,7 @@ class PipelineParallelGrid:
         return self.slice_parallel_size
 
     def get_slice_parallel_group(self):
-        return self.mesh.tensor_group
+        return self._slice_group
 
     get_tensor_model_parallel_rank = get_slice_parallel_rank
     get_tensor_model_parallel_world_size = get_slice_parallel_world_size

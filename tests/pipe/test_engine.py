@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import zerolap
+import zerolap.comm as dist
 from tests.multiproc import RankFailure, run_on_ranks
 from tests.pipe import models
 from zerolap.config import ConfigError
@@ -473,6 +474,89 @@ def test_grid_topology_and_a_batch_ramp_up(ranks):
         merged.update(params)
     worst = max((_relative(merged[n], ref_params[n]), n) for n in ref_params)
     assert worst[0] < 1e-6, worst
+
+
+def data_through_batch_fn() -> tuple[list[float], list[float], list[str]]:
+    """Megatron-DeepSpeed's way: only some reading ranks hold an iterator, and ``batch_fn``
+    makes every reading rank's micro-batch from it (here the last stage, with no iterator, is
+    handed None and builds the same micro-batch, as a broadcast from a rank with data would);
+    then an iterator that fails on one rank only."""
+    engine, *_ = zerolap.initialize(model=models.pipeline(2), config=_config(1, 2))
+    plain, *_ = zerolap.initialize(model=models.pipeline(2), config=_config(1, 2))
+    calls = []
+
+    def batch_fn(sample):
+        calls.append(sample is None)
+        step, index = divmod(len(calls) - 1, 2)
+        return sample if sample is not None else models.micro_batches(step, 2, 1, 0)[index]
+
+    engine.set_batch_fn(batch_fn)
+    losses, expected = [], []
+    for step in range(2):
+        batches = models.micro_batches(step, 2, 1, 0)
+        losses.append(engine.train_batch(iter(batches) if engine.is_first_stage() else None))
+        expected.append(plain.train_batch(iter(batches)).item())
+
+    def failing():
+        yield models.micro_batches(0, 2, 1, 0)[0]
+        raise ValueError("the disk went away")
+
+    errors = []
+    try:
+        engine.train_batch(failing() if engine.is_first_stage() else iter(batches))
+    except (ValueError, PipelineError) as error:
+        errors.append(f"{type(error).__name__}: {error}")
+    assert calls == [not engine.is_first_stage()] * 4  # twice per batch, on both stages
+    return [loss.item() for loss in losses], expected, errors
+
+
+def test_batch_fn_feeds_ranks_without_data_and_a_failed_read_stops_every_rank(ranks):
+    first, last = ranks(2).run(data_through_batch_fn)
+    assert first[0] == first[1] and last[0] == last[1]  # the same losses as with both iterators
+    assert first[2] == ["ValueError: the disk went away"]
+    assert last[2] == [
+        "PipelineError: train_batch(): pipeline stage 0 (rank 0) failed to read its data (its "
+        "own error says why)"
+    ]
+
+
+def grids() -> dict:
+    """Where a degree is 1 the grid's group holds this rank alone (torch's None would be the
+    whole job); a grid built from a topology, and DeepSpeed's default one."""
+    from zerolap.topology import PipeDataParallelTopology, PipelineParallelGrid
+
+    engine, *_ = zerolap.initialize(model=models.pipeline(1), config=_config(1, 1))
+    g = engine.grid
+    sizes = {
+        name: dist.get_world_size(getattr(g, f"get_{name}_parallel_group")())
+        for name in ("pipe", "model", "slice", "data")
+    }
+    one = torch.ones(1)
+    dist.all_reduce(one, group=g.get_model_parallel_group())
+    built = PipelineParallelGrid(topology=PipeDataParallelTopology(num_pp=2, num_dp=1))
+    default = PipelineParallelGrid()
+    return {
+        "sizes": sizes,
+        "sum": one.item(),
+        "mpu": engine.mpu is g,
+        "built": (built.get_stage_id(), built.get_pipe_parallel_world_size()),
+        "built pipe": dist.get_world_size(built.get_pipe_parallel_group()),
+        "default": default.topology().get_axis_names(),
+        "default dims": (default.pipe_parallel_size, default.data_parallel_size),
+    }
+
+
+def test_grid_groups_of_one_rank_and_grids_from_topologies(ranks):
+    for rank, answer in enumerate(ranks(2).run(grids)):
+        assert answer == {
+            "sizes": {"pipe": 1, "model": 1, "slice": 1, "data": 2},
+            "sum": 1.0,  # over this rank only
+            "mpu": True,
+            "built": (rank, 2),
+            "built pipe": 2,
+            "default": ["pipe", "data"],
+            "default dims": (2, 1),  # DeepSpeed's prime factors of 2: all to the pipe axis
+        }
 
 
 def test_too_few_layers_for_the_stages_is_named():

@@ -42,7 +42,8 @@ def test_see_memory_usage_reports_only_when_forced_and_resets_the_peak():
     with captured_logs() as logs:
         see_memory_usage("not forced")
     assert logs == []
-    held = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched: resident
+    # 64 MiB, touched, where MA counts it (the GPU on a CUDA host, else the resident set)
+    held = torch.ones(64 << 20, dtype=torch.uint8, device=get_accelerator().device())
     with captured_logs() as logs:
         see_memory_usage("after the buffer", force=True)
     assert logs[0] == "INFO: after the buffer"

@@ -399,13 +399,17 @@ def _read_whole(engine, load_dir: Path, tag) -> tuple[Path, dict, list[dict]] | 
                 began = saved_identity(folder)
                 verify(folder, share=(rank, world))
                 saved, shards = read_checkpoint(folder, _client_groups(engine), hashed=True)
-        except (CheckpointError, OSError) as err:
-            # OSError: a file vanished between two reads, as a re-save moved the folder
-            # aside. Raised here, it would leave the other ranks waiting in the gather below.
+        except Exception as err:
+            # Any error, not only a CheckpointError: raised here, it would leave the other ranks
+            # waiting in the gather below. A file that vanished between two reads (an OSError,
+            # as a re-save moved the folder aside) is one.
             problem = str(err)
         try:
             now = find_latest(load_dir) if tag is None else name
             moved = now != name or (now is not None and tag_identity(load_dir, now) != began)
+            # Read from ``<tag>.old`` while a re-save was between its two renames: what failed
+            # there was being moved away.
+            moved = moved or (problem is not None and folder is not None and folder.name != name)
         except CheckpointError:  # ``latest`` being rewritten by a non-atomic writer
             moved = True
         views: list = [None] * world

@@ -11,7 +11,12 @@
 from zerolap.pipe.engine import PipelineEngine, PipelineError
 from zerolap.pipe.module import LayerSpec, PipelineModule, TiedLayerSpec
 from zerolap.pipe.p2p import PipeError, PipelineShapeError
-from zerolap.topology import PipeDataParallelTopology, PipeModelDataParallelTopology
+from zerolap.topology import (
+    PipeDataParallelTopology,
+    PipelineParallelGrid,
+    PipeModelDataParallelTopology,
+    ProcessTopology,
+)
 
 __all__ = [
     "LayerSpec",
@@ -21,6 +26,8 @@ __all__ = [
     "PipelineEngine",
     "PipelineError",
     "PipelineModule",
+    "PipelineParallelGrid",
     "PipelineShapeError",
+    "ProcessTopology",
     "TiedLayerSpec",
 ]

@@ -24,6 +24,7 @@ to every stage (what ``train_batch`` returns on every rank, as in DeepSpeed).
 from __future__ import annotations
 
 import functools
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -202,6 +203,10 @@ class PipelineEngine(ZerolapEngine):
         self._backward_at = (Op.BACKWARD, 0)
         self.data_iterator: Iterator | None = None
         self.batch_fn: Callable | None = None
+        # DeepSpeed's grid of the job (coordinates and groups, ``zerolap.topology``), built
+        # here as it may create groups, which every rank must; it is a pipeline engine's mpu.
+        self.grid = self.mpu = PipelineParallelGrid(mesh=mesh)
+        module.use_dims(mesh.dims)
         self.agg_train_loss: torch.Tensor | None = None  # the last train_batch's, as returned
         self.last_stats: dict | None = None  # the last train_batch's measurements
 
@@ -358,16 +363,11 @@ class PipelineEngine(ZerolapEngine):
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """A new global batch, by another number of micro-batches per ``train_batch``."""
-        per_micro_batch = self.train_micro_batch_size_per_gpu() * self.dp_world_size
-        if train_batch_size >= 1 and train_batch_size % per_micro_batch == 0:
-            self._checked_micro_batches(train_batch_size // per_micro_batch)
-        super().set_train_batch_size(train_batch_size)  # which names a batch that does not split
+        super().set_train_batch_size(train_batch_size)
         self.micro_batches = self.gradient_accumulation_steps()
 
-    @functools.cached_property
-    def grid(self) -> PipelineParallelGrid:
-        """DeepSpeed's grid of this job: coordinates and groups (``zerolap.topology``)."""
-        return PipelineParallelGrid(mesh=self.mesh)
+    def _check_accumulation(self, count: int) -> None:
+        self._checked_micro_batches(count)
 
     @property
     def is_pipe_parallel(self) -> bool:
@@ -402,7 +402,7 @@ class PipelineEngine(ZerolapEngine):
         if not torch.is_grad_enabled():
             raise PipelineError("train_batch() under torch.no_grad(); use eval_batch()")
         batch = _Batch(self.micro_batches, train=True)
-        self._read(self._data(data_iter), batch)
+        self._read(data_iter, batch)
         self.module.train()
         self.tput_timer.start()
         stats = self._run(self._schedule(), batch)
@@ -448,7 +448,7 @@ class PipelineEngine(ZerolapEngine):
             raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
         micro_batches = num_micro_batches or self.micro_batches
         batch = _Batch(micro_batches, train=False, compute_loss=compute_loss)
-        self._read(self._data(data_iter), batch)
+        self._read(data_iter, batch)
         self.module.eval()
         for link in (self._prev, self._next):
             if link is not None:  # shapes may differ from the last evaluation's (a last, short
@@ -473,45 +473,58 @@ class PipelineEngine(ZerolapEngine):
 
     # -- the schedule ---------------------------------------------------------------------------
 
-    def _data(self, data_iter: Iterator | None) -> Iterator | None:
-        if data_iter is not None:
-            return data_iter
-        if self.data_iterator is None and (self.is_first_stage() or self.is_last_stage()):
-            raise PipelineError(
-                "no data: pass train_batch(data_iter=...) or call set_dataiterator() on the "
-                "first and last stages"
-            )
-        return self.data_iterator
-
-    def _read(self, data: Iterator | None, batch: _Batch) -> None:
+    def _read(self, data_iter: Iterator | None, batch: _Batch) -> None:
         """The batch's micro-batches, read before any stage sends anything, and agreed on by
-        every rank: when any rank's iterator runs out (an epoch's end, or shards of unequal
-        length), all of them raise ``StopIteration`` (what DeepSpeed's loops catch), naming the
-        first such rank, and none is left with receives posted that the next batch's messages
-        would be matched against."""
+        every rank (one all-gather of a count per rank): when any rank's iterator runs out (an
+        epoch's end, or shards of unequal length) every rank raises ``StopIteration`` (what
+        DeepSpeed's loops catch), and when one fails to read every rank raises, naming it; so
+        none is left in the schedule, or with receives posted that the next batch's messages
+        would be matched against. ``batch_fn`` then runs on each micro-batch on every rank
+        that reads, with ``None`` where the rank has no iterator (DeepSpeed's contract:
+        Megatron-DeepSpeed's broadcasts tensor rank 0's data there), the same number of times
+        on every rank, so collectives inside it pair up."""
+        data = data_iter if data_iter is not None else self.data_iterator
         reads = self.is_first_stage() or self.is_last_stage()
-        if reads:
-            for _ in range(batch.micro_batches):
-                try:
-                    sample = next(data)
-                except StopIteration:
-                    break
-                batch.samples.append(self.batch_fn(sample) if self.batch_fn else sample)
-        read = len(batch.samples) if reads else batch.micro_batches
-        counts, world = [read], self.mesh.dims.world_size
+        raw: list = []
+        count, failure = batch.micro_batches, None
+        if reads and data is None and self.batch_fn is None:
+            count, failure = (
+                -1,
+                PipelineError(
+                    "no data: pass train_batch(data_iter=...) or call set_dataiterator() on the "
+                    "first and last stages"
+                ),
+            )
+        elif reads:
+            try:
+                raw = [None] * count if data is None else list(itertools.islice(data, count))
+            except Exception as error:  # an iterator that raised: every rank hears of it
+                count, failure = -1, error
+            else:
+                count = len(raw)
+        counts, world = [count], self.mesh.dims.world_size
         if world > 1:
-            mine = torch.tensor([read], dtype=torch.int64, device=dist.buffer_device(None))
+            mine = torch.tensor([count], dtype=torch.int64, device=dist.buffer_device(None))
             every = [torch.empty_like(mine) for _ in range(world)]
             dist.all_gather(every, mine)
-            counts = [int(t.item()) for t in every]
+            counts = torch.cat(every).tolist()
+        call = "train_batch" if batch.train else "eval_batch"
+        failed = next((r for r, n in enumerate(counts) if n < 0), None)
+        if failed is not None:
+            if failure is not None:
+                raise failure
+            raise PipelineError(
+                f"{call}(): pipeline stage {self.mesh.dims.coordinates(failed)[0]} (rank "
+                f"{failed}) failed to read its data (its own error says why)"
+            )
         short = next((r for r, n in enumerate(counts) if n < batch.micro_batches), None)
         if short is not None:
-            call = "train_batch" if batch.train else "eval_batch"
             raise StopIteration(
                 f"pipeline stage {self.mesh.dims.coordinates(short)[0]} (rank {short}): the "
                 f"data iterator ran out at micro-batch {counts[short]} of the "
                 f"{batch.micro_batches} that {call}() reads"
             )
+        batch.samples = [self.batch_fn(x) for x in raw] if self.batch_fn else raw
 
     def _run(self, steps: list[Step], batch: _Batch) -> dict:
         links = [link for link in (self._prev, self._next) if link is not None]
@@ -740,12 +753,7 @@ class PipelineEngine(ZerolapEngine):
             return value if self.is_last_stage() else None
         src = self.mesh.stage_rank(self.num_stages - 1)
         group = self.mesh.pipe_group
-        shape = [tuple(value.shape) if self.is_last_stage() else None]
-        if not scalar:  # the other stages learn the outputs' shape first
-            dist.broadcast_object_list(shape, src=src, group=group)
-        if not self.is_last_stage():
-            value = torch.zeros(
-                shape[0] or (), dtype=torch.float32, device=dist.buffer_device(group)
-            )
+        if not self.is_last_stage():  # a scalar: broadcast is asked for losses only
+            value = torch.zeros((), dtype=torch.float32, device=dist.buffer_device(group))
         dist.broadcast(value, src=src, group=group)
         return value

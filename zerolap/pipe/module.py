@@ -242,6 +242,15 @@ class PipelineModule(nn.Module):
         chunk = next(g for g in range(len(self.parts) - 1) if layer_index < self.parts[g + 1])
         return chunk % self.num_stages
 
+    def use_dims(self, dims: ParallelDims) -> None:
+        """The job's degrees as the engine built its mesh: tensor parallelism from the
+        ds_config adds a model axis the module was not given (stages are outermost, so each
+        rank's stage, and this module's layers, stay as they are)."""
+        if (dims.world_size, dims.pipe) != (self._dims.world_size, self._dims.pipe):
+            raise ValueError(f"the mesh {dims} is not the module's {self._dims} with a model axis")
+        if dims != self._dims:
+            self._dims, self._topology = dims, None
+
     def num_pipeline_stages(self) -> int:
         return self.num_stages
 
@@ -324,9 +333,10 @@ def _param_count(layer) -> int:
 
 
 def _type_name(layer) -> str:
-    """What ``type:<regex>`` matches: a module's class name, a function's own name."""
+    """What ``type:<regex>`` matches: a module's class name, a function's own name (none
+    for other callables, which DeepSpeed skips too)."""
     if isinstance(layer, LayerSpec):
         return layer.typename.__name__
     if isinstance(layer, nn.Module):
         return type(layer).__name__
-    return getattr(layer, "__name__", type(layer).__name__)
+    return getattr(layer, "__name__", "")  # a partial, a callable object: no name to match

@@ -777,6 +777,10 @@ class ZerolapEngine(torch.nn.Module):
     def gradient_accumulation_steps(self) -> int:
         return self._config.gradient_accumulation_steps
 
+    def _check_accumulation(self, count: int) -> None:
+        """Whether ``count`` micro-batches per step can run (any count can here; a pipeline
+        needs at least one per stage)."""
+
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """A new global batch, by another number of micro-batches per step (the micro-batch
         stays ``train_micro_batch_size_per_gpu``), from the next step on: what batch-size
@@ -793,11 +797,10 @@ class ZerolapEngine(torch.nn.Module):
                 f"set_train_batch_size() {self.micro_in_step} micro-batch(es) into step "
                 f"{self.global_steps + 1}: call it between steps"
             )
+        count = train_batch_size // per_micro_batch
+        self._check_accumulation(count)
         self._config = self._config.model_copy(
-            update={
-                "train_batch_size": train_batch_size,
-                "gradient_accumulation_steps": train_batch_size // per_micro_batch,
-            }
+            update={"train_batch_size": train_batch_size, "gradient_accumulation_steps": count}
         )
         self.tput_timer.batch_size = train_batch_size  # samples/s counts the new batch
 

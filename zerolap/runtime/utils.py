@@ -10,6 +10,10 @@ from typing import Any
 import psutil
 import torch
 
+import zerolap.comm as dist
+from zerolap.accelerator import get_accelerator
+from zerolap.utils.logging import logger
+
 __all__ = ["move_to_device", "see_memory_usage", "set_random_seed"]
 
 _GB = 1 << 30
@@ -51,10 +55,6 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     host both are this process's resident set, which is what it has allocated), and the host's
     memory in use. The peaks are reset, so successive calls bracket phases. Without ``force`` it
     does nothing, as DeepSpeed's does, so scripts can leave their calls in."""
-    import zerolap.comm as dist
-    from zerolap.accelerator import get_accelerator
-    from zerolap.utils.logging import logger
-
     if not force or (dist.is_initialized() and dist.get_rank() != 0):
         return
     gc.collect()  # what is unreachable but not yet freed is not the caller's to see
