@@ -88,6 +88,46 @@ def test_split_runs_cuts_exactly():
     assert [(list(g.runs), g.numel) for g in groups] == [([0], 4), ([1, 2], 4), ([3], 4)]
     out, _, groups = split_runs(runs, [0, 7], 0)  # every run its own sub-group
     assert [g.numel for g in groups] == [7, 5] and len(out) == 2
+    # Pieces of at most 3 (cache-sized on the CPU) inside sub-groups of 4 and of whole runs.
+    out, positions, groups = split_runs(runs, [0, 7], 4, piece_numel=3)
+    assert [(r.start, r.end) for r in out] == [(0, 3), (3, 4), (4, 7), (20, 21), (21, 24), (24, 25)]
+    assert positions == [0, 3, 4, 7, 8, 11]
+    assert [(list(g.runs), g.numel) for g in groups] == [([0, 1], 4), ([2, 3], 4), ([4, 5], 4)]
+    out, _, groups = split_runs(runs, [0, 7], 0, piece_numel=3)
+    assert [len(g.runs) for g in groups] == [3, 2] and [g.numel for g in groups] == [7, 5]
+
+
+def check_cpu_steps_in_pieces() -> tuple[int, int]:
+    """The default bucket (5e8) puts a whole layer in one run: stepped on the CPU it is cut
+    into cache-sized pieces, and the parameters come out as they would whole."""
+    import zerolap
+    from zerolap.zero.optimizer import STEP_PIECE_NUMEL
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 700)  # weight and bias, one run of 717,500: 3 pieces
+    reference = torch.nn.Linear(1024, 700)
+    reference.load_state_dict(model.state_dict())
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 0.0}
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    engine, *_ = zerolap.initialize(model=model, optimizer=opt, config=config)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01, weight_decay=0.01)
+    for step in range(3):
+        x = torch.randn(4, 1024, generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x).square().mean())
+        engine.step()
+        ref_opt.zero_grad()
+        reference(x).square().mean().backward()
+        ref_opt.step()
+    pieces = engine.optimizer.runs
+    assert max(r.end - r.start for r in pieces) <= STEP_PIECE_NUMEL
+    for got, want in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(got, want)
+    return len(pieces), sum(r.end - r.start for r in pieces)
+
+
+def test_runs_stepped_on_the_cpu_are_cut_into_pieces(ranks):
+    count, numel = ranks(1).run(check_cpu_steps_in_pieces)[0]
+    assert (count, numel) == (3, 1024 * 700 + 700)
 
 
 def test_swapped_state_streams_through_its_buffers(tmp_path):

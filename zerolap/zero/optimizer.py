@@ -43,7 +43,10 @@ import zerolap.comm as dist
 from zerolap.zero.layout import FlatLayout
 from zerolap.zero.sub_groups import split_runs
 
-__all__ = ["ZeroOptimizer"]
+__all__ = ["STEP_PIECE_NUMEL", "ZeroOptimizer"]
+
+STEP_PIECE_NUMEL = 1 << 18
+"""The most elements a run stepped on the CPU holds (``zero.sub_groups``)."""
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[int]]:
@@ -181,7 +184,11 @@ class ZeroOptimizer:
         counted = counted if counted is not None else [True] * len(params)
         runs = [r for r in layout.runs(owned_ranges, groups, counted) if r.group >= 0]
         positions = [to_shard(r.bucket, r.start) for r in runs]
-        self.runs, self.positions, self.sub_groups = split_runs(runs, positions, sub_group_size)
+        # Stepped on the CPU, runs are cut to cache-sized pieces (``zero.sub_groups``).
+        piece = STEP_PIECE_NUMEL if param_store.device.type == "cpu" else None
+        self.runs, self.positions, self.sub_groups = split_runs(
+            runs, positions, sub_group_size, piece
+        )
         # Mixed precision steps fp32 master values with fp32 copies of the gradients; with
         # ``low_precision_master`` (bf16.bf16_master_weights_and_grads) the 16-bit parameters
         # are their own master, stepped with their 16-bit gradients, as fp32 ones are.
