@@ -381,8 +381,9 @@ class PipelineEngine(ZerolapEngine):
         self.data_iterator = iterator
 
     def set_batch_fn(self, fn: Callable | None) -> None:
-        """``fn(micro_batch)`` is applied to each micro-batch as it is read (on the stages
-        that read data), before its inputs and labels are taken from it."""
+        """``fn(micro_batch)`` maps each micro-batch on the stages that read data, before its
+        inputs and labels are taken from it (``None`` in, on such a rank without an iterator;
+        ``_read`` says when)."""
         self.batch_fn = fn
 
     def forward(self, *args, **kwargs):
