@@ -155,7 +155,8 @@ class PipelineEngine(ZerolapEngine):
         self.num_stages = mesh.dims.pipe
         self.stage_id = mesh.pipe_rank
         self.chunks = module.virtual_stages  # chunks of layers per rank (interleaved 1F1B)
-        self.micro_batches = self._checked_micro_batches(self.gradient_accumulation_steps())
+        self._check_accumulation(self.gradient_accumulation_steps())
+        self.micro_batches = self.gradient_accumulation_steps()
         if self.num_stages * self.chunks > MAX_CHUNKS:
             raise ConfigError(
                 f"{self.num_stages} stages x virtual_stages={self.chunks} chunks: at most "
@@ -346,7 +347,7 @@ class PipelineEngine(ZerolapEngine):
     def is_last_stage(self) -> bool:
         return self.stage_id == self.num_stages - 1
 
-    def _checked_micro_batches(self, count: int) -> int:
+    def _check_accumulation(self, count: int) -> None:
         if count < self.num_stages:
             raise ConfigError(
                 f"gradient_accumulation_steps={count} gives each train_batch fewer "
@@ -359,15 +360,11 @@ class PipelineEngine(ZerolapEngine):
                 f"(virtual_stages={self.chunks}) takes micro-batches in groups of the "
                 f"{self.num_stages} stages; use a multiple of {self.num_stages}"
             )
-        return count
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """A new global batch, by another number of micro-batches per ``train_batch``."""
         super().set_train_batch_size(train_batch_size)
         self.micro_batches = self.gradient_accumulation_steps()
-
-    def _check_accumulation(self, count: int) -> None:
-        self._checked_micro_batches(count)
 
     @property
     def is_pipe_parallel(self) -> bool:
