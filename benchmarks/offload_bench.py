@@ -3,7 +3,7 @@ everything in memory: step time, resident memory, the disk's own bandwidth, how 
 the step exposes, and the optimizer's throughput.
 
 Run from the repo root: ``python benchmarks/offload_bench.py [--quick] [--models 42m 170m]
-[--steps 4] [--rounds 3] [--sub-group-size N] [--swap-dir DIR]``.
+[--steps 4] [--rounds 3] [--sub-group-size N [N ...]] [--swap-dir DIR]``.
 
 * Disk: the bandwidth of the swap directory's filesystem, measured first in the same run by
   writing and reading a 512 MiB file through ``zerolap.offload.swap_file`` (direct I/O where
@@ -21,7 +21,10 @@ Run from the repo root: ``python benchmarks/offload_bench.py [--quick] [--models
   the disk's measured
   bandwidth. Target: exposed <= 25% of the I/O time, where forward + backward take longer than
   the I/O (the reads start when the last backward does; the writes finish under the next
-  forward).
+  forward). Only the ``buffer_count`` sub-groups read ahead and the ones still being written
+  can hide outside the optimizer phase, so what hides grows with the buffers: several
+  ``--sub-group-size`` values run every offloaded system once per size (``nvme@10M``), and the
+  ``buffers`` column is the memory that costs (both ranks).
 * Optimizer throughput: elements per second of one step at one thread over a 16.8M-element
   shard: torch's fused AdamW alone, then zerolap's step (world size 1) with the state in memory
   and streamed from disk.
@@ -63,6 +66,7 @@ class RankResult:
     anon_rss: int
     resident_bytes: int
     swapped_bytes: int
+    buffer_bytes: int
     io_bytes_per_step: float
     io_busy_s_per_step: float
     loss: float
@@ -148,6 +152,7 @@ def _train(
         anon_rss=_anon_rss(),
         resident_bytes=memory.total_bytes,
         swapped_bytes=memory.swapped_bytes,
+        buffer_bytes=memory.swap_buffer_bytes,
         io_bytes_per_step=(io_bytes - io_start[0]) / steps,
         io_busy_s_per_step=(io_s - io_start[1]) / steps,
         loss=loss,
@@ -259,7 +264,11 @@ def _parse(argv):
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
-        "--sub-group-size", type=int, default=2_000_000, help="elements (buffers: 4 of them)"
+        "--sub-group-size",
+        type=int,
+        nargs="+",
+        default=[2_000_000],
+        help="elements (buffers: 4 of them); several sizes run each offloaded system per size",
     )
     parser.add_argument(
         "--swap-dir", default=None, help="where swap files go (default: a temp dir)"
@@ -284,26 +293,35 @@ def main(argv: list[str] | None = None) -> int:
             f"MiB/s ({'direct' if direct else 'buffered'} I/O, 64 MiB transfers)\n"
         )
         io_bw = 2 / (1 / write_bw + 1 / read_bw)  # as much is read as written per step
+        rows = _rows(args.systems, args.sub_group_size)
         for model in models:
-            runs: dict[str, list] = {name: [] for name in args.systems}
+            runs: dict[str, list] = {row: [] for row in rows}
             for rnd in range(args.rounds):
-                order = args.systems if rnd % 2 == 0 else list(reversed(args.systems))
-                for name in order:
-                    runs[name].append(
-                        _spawn(
-                            2,
-                            _train,
-                            model,
-                            name,
-                            args.steps,
-                            args.warmup,
-                            swap,
-                            args.sub_group_size,
-                        )
+                order = list(rows) if rnd % 2 == 0 else list(reversed(rows))
+                for row in order:
+                    system, sub_group = rows[row]
+                    runs[row].append(
+                        _spawn(2, _train, model, system, args.steps, args.warmup, swap, sub_group)
                     )
-            _print_model(model, runs, io_bw)
+            _print_model(model, runs, rows, io_bw)
         _print_optimizer(swap)
     return 0
+
+
+def _rows(systems: list[str], sizes: list[int]) -> dict[str, tuple[str, int]]:
+    """Row name -> (system, sub_group_size): an offloaded system once per size, named by it
+    when there are several; the others once (the size changes nothing they do)."""
+    rows = {}
+    for system in systems:
+        if system in BASELINE and len(sizes) > 1:
+            rows.update({f"{system}@{_size(n)}": (system, n) for n in sizes})
+        else:
+            rows[system] = (system, sizes[0])
+    return rows
+
+
+def _size(numel: int) -> str:
+    return f"{numel / 1e6:g}M" if numel >= 1_000_000 else f"{numel / 1e3:g}K"
 
 
 def _summary(rounds: list[list[RankResult]]) -> dict:
@@ -314,34 +332,38 @@ def _summary(rounds: list[list[RankResult]]) -> dict:
         "anon_rss": statistics.median(sum(r.anon_rss for r in ranks) for ranks in rounds),
         "resident": sum(r.resident_bytes for r in last),
         "swapped": sum(r.swapped_bytes for r in last),
+        "buffers": sum(r.buffer_bytes for r in last),
         "io_bytes": sum(r.io_bytes_per_step for r in last),
         "io_busy_s": max(r.io_busy_s_per_step for r in last),
         "loss": last[0].loss,
     }
 
 
-def _print_model(model: str, runs: dict, io_bw: float) -> None:
+def _print_model(model: str, runs: dict, systems: dict, io_bw: float) -> None:
     rows = {name: _summary(rounds) for name, rounds in runs.items()}
     steps = sum(len(r) for r in next(iter(runs.values())))
     print(f"model {model}, 2 ranks, median step over {steps} runs")
     print(
-        f"  {'system':10} {'step':>8} {'vs base':>8} {'anon RSS':>9} {'state in':>9} "
-        f"{'swapped':>8} {'I/O/step':>9} {'I/O time':>9} {'exposed':>8} {'exp/I/O':>8} {'loss':>8}"
+        f"  {'system':12} {'step':>8} {'vs base':>8} {'anon RSS':>9} {'state in':>9} "
+        f"{'swapped':>8} {'buffers':>8} {'I/O/step':>9} {'I/O time':>9} {'exposed':>8} "
+        f"{'exp/I/O':>8} {'loss':>8}"
     )
     for name, row in rows.items():
-        base = rows.get(BASELINE.get(name, name), row)
+        system = systems[name][0]
+        base = rows.get(BASELINE.get(system, name), row)
         io_time = row["io_bytes"] / io_bw
         exposed = row["step_s"] - base["step_s"]
         share = f"{exposed / io_time:8.0%}" if io_time else f"{'-':>8}"
         print(
-            f"  {name:10} {row['step_s'] * 1e3:6.0f}ms {row['step_s'] / base['step_s']:7.2f}x "
+            f"  {name:12} {row['step_s'] * 1e3:6.0f}ms {row['step_s'] / base['step_s']:7.2f}x "
             f"{_gib(row['anon_rss']):>6}GiB {_gib(row['resident']):>6}GiB "
-            f"{_gib(row['swapped']):>5}GiB {_gib(row['io_bytes']):>6}GiB "
+            f"{_gib(row['swapped']):>5}GiB {_gib(row['buffers']):>5}GiB "
+            f"{_gib(row['io_bytes']):>6}GiB "
             f"{io_time * 1e3:7.0f}ms {exposed * 1e3:6.0f}ms {share} {row['loss']:8.4f}"
         )
     print(
-        "  (anon RSS and state: both ranks together; I/O time = bytes / the disk's bandwidth;"
-        " exposed = step - step of the same stage without offload)\n"
+        "  (anon RSS, state and buffers: both ranks together; I/O time = bytes / the disk's"
+        " bandwidth; exposed = step - step of the same stage without offload)\n"
     )
 
 

@@ -138,6 +138,14 @@ def check_embedding_and_loss() -> None:
     tp_loss.backward()
     close(split.weight.grad, _slice(embedding.weight.grad, 0), "tied embedding grad")
 
+    # Every token ignored: nan and zero gradients, as torch gives.
+    logits = logits.detach().view(-1, vocab // world).requires_grad_()
+    ignored = torch.full_like(targets, -100)
+    tp_loss = vocab_parallel_cross_entropy(logits, ignored, None)
+    assert tp_loss.isnan(), tp_loss
+    tp_loss.backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits)), logits.grad
+
 
 def check_fused_gpt_attention(overlap: str, batch: int, device: str = "cpu") -> list[torch.Tensor]:
     """A whole demo GPT, dense against auto-parallelized, both on ``device``: equal loss and
@@ -173,6 +181,55 @@ def test_column_parallel(ranks, world_size):
             for a, b in zip(on, off, strict=True):
                 for x, y in zip(a, b, strict=True):
                     assert torch.equal(x, y), "overlap changed a result"
+
+
+def check_readers_of_one_tensor(overlap: bool) -> list[torch.Tensor]:
+    """Three column-parallel layers reading one tensor (Llama's q/k/v) reduce its gradient
+    once; a reader whose output takes no part in the loss leaves nothing behind: its partial
+    gradient is still reduced and added, in a second backward through the same input, and
+    both equal the dense layers' gradients."""
+    from zerolap.comm.logger import COMMS_LOGGER
+    from zerolap.tensor_parallel.mappings import BACKWARD
+
+    torch.manual_seed(0)
+    world = dist.get_world_size()
+    denses = [nn.Linear(12, 4 * world) for _ in range(3)]
+    layers = [
+        ColumnParallelLinear.from_dense(d, group=None, overlap_backward=overlap) for d in denses
+    ]
+    x = _inputs(5, 12)
+    results = []
+    for used in ((0, 1, 2), (0, 2)):  # the second time, layer 1's output is not used
+        want_x, got_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+        sum(denses[i](want_x * 1.5).square().sum() for i in used).backward()
+        h = got_x * 1.5  # an intermediate, as a norm's output is
+        outs = [layer(h) for layer in layers]
+        dist.configure(enabled=True, prof_all=True)
+        COMMS_LOGGER.reset()
+        sum(_gathered(outs[i]).square().sum() for i in used).backward()
+        calls = [r.message_bytes for r in COMMS_LOGGER.records if r.op == BACKWARD]
+        dist.configure(enabled=False)
+        assert calls == [x.numel() * 4], calls  # one all-reduce of the input gradient
+        close(got_x.grad, want_x.grad, f"input gradient, outputs {used} used")
+        for i in used:
+            close(layers[i].weight.grad, _slice(denses[i].weight.grad, 0), f"weight {i}")
+        results.append(got_x.grad)
+        for module in (*denses, *layers):
+            module.zero_grad()
+    return results
+
+
+def _gathered(y: torch.Tensor) -> torch.Tensor:
+    from zerolap.tensor_parallel import gather_from_region
+
+    return gather_from_region(y, None)
+
+
+def test_readers_of_one_tensor_reduce_once(ranks):
+    on = ranks(2).run(check_readers_of_one_tensor, True)[0]
+    off = ranks(2).run(check_readers_of_one_tensor, False)[0]
+    for a, b in zip(on, off, strict=True):
+        assert torch.equal(a, b), "overlap changed a result"
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

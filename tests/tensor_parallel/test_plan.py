@@ -36,6 +36,13 @@ def _hf(arch: str):
 
 
 def check_hf_equals_dense(arch: str, overlap: str) -> None:
+    """Loss and gradients equal the dense model's; backward all-reduces b*s*h twice per layer
+    (Llama's q/k/v, and its gate/up, read one tensor each and reduce it once), in twice as
+    many calls with the lanes."""
+    import zerolap.comm as dist
+    from zerolap.comm.logger import COMMS_LOGGER
+    from zerolap.tensor_parallel.mappings import BACKWARD
+
     dense, split = _hf(arch), _hf(arch)
     parallelize(split, None, overlap=overlap)
     ids = torch.randint(VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -43,7 +50,14 @@ def check_hf_equals_dense(arch: str, overlap: str) -> None:
     want.backward()
     got = split(input_ids=ids, labels=ids, use_cache=False).loss
     torch.testing.assert_close(got, want.detach(), rtol=1e-6, atol=1e-7)
+    dist.configure(enabled=True, prof_all=True)
+    COMMS_LOGGER.reset()
     got.backward()
+    reduced = [r.message_bytes for r in COMMS_LOGGER.records if r.op == BACKWARD]
+    dist.configure(enabled=False)
+    layers, hidden = 2, 32
+    assert sum(reduced) == 2 * layers * ids.numel() * hidden * 4, reduced
+    assert len(reduced) == 2 * layers * (2 if overlap == "full" else 1), reduced
     dense_params = dict(dense.named_parameters())
     pieces = 0
     for name, param in split.named_parameters():
@@ -84,9 +98,8 @@ def test_full_overlap_and_kv_caches(ranks):
     ranks(2).run(check_hf_cache)
 
 
-def split_indivisible_heads() -> tuple[str, bool]:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=6, d_model=24))
+def _split_error(model) -> tuple[str, bool]:
+    """The error splitting ``model`` raises, and whether the model was left as it was."""
     before = [type(m) for m in model.modules()]
     try:
         parallelize(model, None)
@@ -95,9 +108,30 @@ def split_indivisible_heads() -> tuple[str, bool]:
     return "no error", False
 
 
+def split_indivisible_heads() -> tuple[str, bool]:
+    torch.manual_seed(0)
+    return _split_error(GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=1, n_head=6, d_model=24)))
+
+
+def split_indivisible_layer() -> tuple[str, bool]:
+    """A Llama whose MLP width (66) the 4 ranks do not divide, though its heads they do."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "llama", num_hidden_layers=2, hidden_size=32, intermediate_size=66,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB,
+    )  # fmt: skip
+    return _split_error(AutoModelForCausalLM.from_config(config))
+
+
 def test_heads_not_divisible_is_named_and_leaves_model(ranks):
     message, untouched = ranks(4).run(split_indivisible_heads)[0]
     assert "blocks.0.attn.n_head=6 is not divisible by the tensor-parallel size 4" in message
+    assert untouched
+    pytest.importorskip("transformers")
+    message, untouched = ranks(4).run(split_indivisible_layer)[0]
+    assert "66 along its split dimension, not divisible by the tensor-parallel size 4" in message
+    assert "layer model.layers.0.mlp.gate_proj, a Linear" in message, message
     assert untouched
 
 

@@ -4,6 +4,9 @@ between step() and the next forward sees the updated values."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -249,3 +252,55 @@ def check_failed_gathers_keep_parameters_guarded() -> list[str]:
 
 def test_failed_gathers_keep_parameters_guarded(ranks):
     assert ranks(2).run(check_failed_gathers_keep_parameters_guarded, timeout=60) == [[], []]
+
+
+class _Slow:
+    """A gather that takes a while to arrive, so that two threads wait for it at once."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+
+    def wait(self) -> None:
+        time.sleep(0.2)
+        self.real.wait()
+
+
+def check_two_threads_wait_for_one_bucket() -> list[str]:
+    """A thread snapshotting the parameters (logging, an async checkpoint) while the training
+    thread's next forward waits for the same bucket: both see the update, neither fails."""
+    deferred, waited = _engine(2, True, bucket=100), _engine(2, False, bucket=100)
+    for engine in (deferred, waited):
+        _step(engine, 0)
+    updated = _values(waited)
+    store = deferred.param_store
+    for index in list(store._in_flight):
+        store._in_flight[index] = _Slow(store._in_flight[index])
+    snapshot, errors = {}, []
+
+    def read() -> None:
+        try:
+            snapshot.update(
+                (name, p.detach().clone()) for name, p in deferred.module.named_parameters()
+            )
+        except Exception as error:
+            errors.append(f"the reading thread: {error!r}")
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    try:
+        losses = [_step(deferred, 1), _step(waited, 1)]
+    except Exception as error:
+        errors.append(f"the training thread: {error!r}")
+        losses = []
+    thread.join()
+    failures = list(errors)
+    if losses and losses[0] != losses[1]:
+        failures.append(f"losses {losses}")
+    expected = dict(zip((n for n, _ in deferred.module.named_parameters()), updated, strict=True))
+    if not errors and not all(torch.equal(snapshot[k], v) for k, v in expected.items()):
+        failures.append("the snapshot missed the update")
+    return failures
+
+
+def test_two_threads_waiting_for_one_bucket(ranks):
+    assert ranks(2).run(check_two_threads_wait_for_one_bucket, timeout=60) == [[], []]

@@ -363,3 +363,33 @@ def test_a_parameter_read_without_calling_its_module_is_gathered(ranks):
         assert (result["evaluated"] - evaluated).abs().max().item() < 1e-5
         assert result["registered"] == [True] and result["released"]
         assert result["misses"] == 0  # the first step recorded the borrow; later ones agree
+
+
+# -- a forward that raises ----------------------------------------------------------------------
+
+
+def check_forward_that_raises(abort_at: int) -> float:
+    """A loop that catches an error raised inside a forward (an out-of-memory one, say) and
+    goes on: the modules the forward was inside kept their units gathered, which the step then
+    made stale; the next forward must gather them afresh."""
+    engine, *_ = zerolap.initialize(model=mlp(), config=_config())
+
+    def boom(module, args):
+        raise RuntimeError("out of memory, say")
+
+    for step in range(4):
+        if step == abort_at:
+            handle = engine.module[2].register_forward_pre_hook(boom)
+            with pytest.raises(RuntimeError, match="out of memory"):
+                engine(_mine(_batch(step)[0]))
+            handle.remove()
+        _train_step(engine, step)
+    got = _whole(engine.module.parameters())
+    engine.destroy()
+    return _diff(got, _reference(mlp, 4))
+
+
+@pytest.mark.parametrize("abort_at", [0, 2])
+def test_a_forward_that_raised_leaves_nothing_stale(ranks, abort_at):
+    for diff in ranks(2).run(check_forward_that_raises, abort_at):
+        assert diff < 1e-5, diff

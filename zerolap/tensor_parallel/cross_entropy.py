@@ -10,7 +10,8 @@ For each token, with rank t holding logits ``z[:, V_t]``:
 
 and the gradient is ``softmax(z)[V_t] - onehot(y)[V_t]``, computed locally from what forward
 kept. Tokens equal to ``ignore_index`` count for nothing; the loss is their mean over the rest,
-as ``torch.nn.functional.cross_entropy`` gives.
+as ``torch.nn.functional.cross_entropy`` gives (so nan, with zero gradients, when every token is
+ignored).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         losses = (total.log() - target_logit) * valid
         exp.div_(total.unsqueeze(-1))  # softmax over the whole vocabulary, this rank's columns
         ctx.save_for_backward(exp, local, outside, valid, count)
-        return losses.sum() / count.clamp(min=1)
+        return losses.sum() / count  # nan when every token is ignored, as torch gives
 
     @staticmethod
     def backward(ctx, grad):

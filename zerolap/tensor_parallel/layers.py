@@ -3,7 +3,8 @@
 * ``ColumnParallelLinear``: the output features are split. Input replicated, output split
   (or gathered whole with ``gather_output``). Its backward sums the input gradient over the
   group (Megatron's *f*), fused into the layer so that the all-reduce can be *started before*
-  the weight gradient is computed and waited for after it (``overlap_backward``).
+  the weight gradient is computed and waited for after it (``overlap_backward``); layers that
+  read the same tensor reduce their summed gradients once (``shared_input``).
 * ``RowParallelLinear``: the input features are split. Input split, output partial sums,
   all-reduced (Megatron's *g*), then the bias, which every rank holds whole, is added once.
 * ``VocabParallelEmbedding``: the vocabulary rows are split; each rank looks up the tokens it
@@ -38,6 +39,7 @@ from zerolap.tensor_parallel.mappings import (
     scatter_to_region,
     wait,
 )
+from zerolap.tensor_parallel.shared_input import SharedInput
 
 __all__ = [
     "ColumnParallelLinear",
@@ -202,13 +204,15 @@ def _bias_split(bias: torch.Tensor | None, parts: Parts, group, what: str) -> nn
 
 class _ColumnParallelMatmul(torch.autograd.Function):
     """``x @ weight.T + bias`` with ``x`` replicated and ``weight`` this rank's output rows.
-    Backward sums the input gradient over the group; with ``overlap`` that all-reduce runs
-    while the weight and bias gradients are computed (they do not depend on it)."""
+    Backward sums the input gradient over the group, once for every column-parallel layer that
+    read ``x`` (``shared``: the last of them to arrive reduces the sum); with ``overlap`` that
+    all-reduce runs while the weight and bias gradients are computed (they do not depend on
+    it)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, group, overlap, transposed):
+    def forward(ctx, x, weight, bias, shared, group, overlap, transposed):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.overlap, ctx.transposed = group, overlap, transposed
+        ctx.shared, ctx.group, ctx.overlap, ctx.transposed = shared, group, overlap, transposed
         ctx.has_bias = bias is not None
         return _linear(x, weight, bias, transposed)
 
@@ -218,12 +222,15 @@ class _ColumnParallelMatmul(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = handle = None
         if need_x:
-            grad_x = grad.matmul(weight.t() if ctx.transposed else weight)
-            handle = all_reduce_(grad_x, ctx.group, name=BACKWARD)
-            if ctx.overlap:
-                lanes.switch()  # the other half's backward computes meanwhile
+            grad_x = ctx.shared.arrive(grad.matmul(weight.t() if ctx.transposed else weight))
+            if grad_x is None:  # another reader of x reduces the sum
+                grad_x = grad.new_zeros(()).expand(x.shape)
             else:
-                wait(handle)
+                handle = all_reduce_(grad_x, ctx.group, name=BACKWARD)
+                if ctx.overlap:
+                    lanes.switch()  # the other half's backward computes meanwhile
+                else:
+                    wait(handle)
         flat_grad = grad.reshape(-1, grad.shape[-1])
         flat_x = x.reshape(-1, x.shape[-1])
         grad_w = None
@@ -233,7 +240,7 @@ class _ColumnParallelMatmul(torch.autograd.Function):
             )
         grad_b = flat_grad.sum(0) if need_b and ctx.has_bias else None
         wait(handle)
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class ColumnParallelLinear(nn.Module):
@@ -299,7 +306,13 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _ColumnParallelMatmul.apply(
-            x, self.weight, self.bias, self.group, self.overlap_backward, self.transposed
+            x,
+            self.weight,
+            self.bias,
+            SharedInput.of(x, self.group),
+            self.group,
+            self.overlap_backward,
+            self.transposed,
         )
         if not self.gather_output:
             return y

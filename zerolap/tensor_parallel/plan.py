@@ -283,8 +283,18 @@ def parallelize(
             "no forward all-reduce to hide"
         )
     overlap_backward = overlap is not Overlap.OFF
+    # Every layer is split before any is put in place, so that a layer that cannot be split
+    # leaves the model as it was.
+    replacements = []
     for name, module, rule in chosen:
-        _replace(model, name, _convert(name, module, rule, group, split, overlap_backward))
+        try:
+            replacements.append(
+                (name, _convert(name, module, rule, group, split, overlap_backward))
+            )
+        except ValueError as error:
+            raise ValueError(f"{error} (layer {name}, a {type(module).__name__})") from None
+    for name, replacement in replacements:
+        _replace(model, name, replacement)
     _divide(model, plan, count, apply=True)
     if overlap is Overlap.FULL:
         split_blocks(model)

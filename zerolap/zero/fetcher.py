@@ -101,7 +101,8 @@ class ParamFetcher:
         self.backward_hooks: list = []  # parameter gradient hooks (release after backward)
         self._install_hooks()
         store.fetcher = self  # register_external_parameter finds the fetcher through a param
-        self.running: list[torch.nn.Module] = []  # hooked modules inside their forward, nested
+        # Hooked modules inside their forward, nested, each with the units it holds.
+        self.running: list[tuple[torch.nn.Module, list[int]]] = []
         sharded = [
             p for p, keep in zip(store.params, self._persistent_of(), strict=True) if not keep
         ]
@@ -116,11 +117,12 @@ class ParamFetcher:
     def borrow(self, param: torch.nn.Parameter) -> None:
         """``param`` was read, sharded, while ``self.running[-1]`` runs: from now on that
         module uses it (held until its forward ends, fetched again for its backward)."""
-        module = self.running[-1]
+        module, held = self.running[-1]
         unit = self.store.unit_of[id(param)]
         register_external_parameter(module, param)  # extends the unit lists its hooks read
         self._fetch([unit], backward=False)
         self.store.holds[unit] += 1  # the module's post-forward hook drops it
+        held.append(unit)
 
     def _install_hooks(self) -> None:
         for module, units in self._units_of.items():
@@ -165,8 +167,8 @@ class ParamFetcher:
             self._prefetched.clear()
         self._carried = False
         self._forget_released()
+        self._drop_aborted()
         self.store.release_all(keep=self._prefetched)
-        self.running.clear()  # a forward that raised left its modules here
         self._prefetch()
 
     def prefetch_next_step(self) -> None:
@@ -215,8 +217,18 @@ class ParamFetcher:
                 "gathered)"
             )
 
+    def _drop_aborted(self) -> None:
+        """A forward that raised left its modules inside their forward, holding their units:
+        the holds go, or those units would stay gathered, and stale once the step changes
+        their shards."""
+        for _, held in self.running:
+            for unit in held:
+                self.store.holds[unit] -= 1
+        self.running.clear()
+
     def finish_backward(self) -> None:
         """After autograd: release every unit (unused parameters' units included)."""
+        self._drop_aborted()
         self.store.release_all()
         self._prefetched.clear()
         self._due = list(self._slots)
@@ -350,7 +362,7 @@ class ParamFetcher:
             self._fetch(units, backward=False)
             for unit in units:
                 self.store.holds[unit] += 1
-            self.running.append(module)
+            self.running.append((module, list(units)))
             frozen = [u for u in units if u >= self.store.trainable_buckets]
             if frozen and torch.is_grad_enabled():
                 self._release_after_backward(frozen, (args, kwargs))
@@ -375,9 +387,10 @@ class ParamFetcher:
 
     def _post_forward(self, units: list[int]):
         def hook(module, args, output):
-            if self.running and self.running[-1] is module:
-                self.running.pop()
-            for unit in units:
+            held = units
+            if self.running and self.running[-1][0] is module:
+                held = self.running.pop()[1]
+            for unit in held:
                 self.store.holds[unit] -= 1
                 if not self.store.holds[unit] and not self._keep(unit):
                     self.store.release(unit)

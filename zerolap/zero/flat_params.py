@@ -8,6 +8,8 @@ all of them, and every method here that reads or writes the values calls it firs
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from zerolap.comm import CommError
@@ -56,6 +58,9 @@ class FlatParams:
         self.defer = sharded and defer and all(type(p) is torch.nn.Parameter for p in params)
         self._bucket_params = [[params[slot] for slot in b.slots] for b in layout.buckets]
         self._in_flight: dict[int, object] = {}  # bucket index -> its all-gather's handle
+        # A thread reading parameters (a snapshot for logging or an async checkpoint) may wait
+        # for a bucket while the training thread's forward waits for the same one.
+        self._waiting = threading.RLock()
         self.flat = torch.zeros(layout.numel, dtype=first.dtype, device=first.device)
         for slot, param in zip(layout.slots, params, strict=True):
             view = self.flat[slot.offset : slot.offset + slot.numel].view_as(param)
@@ -110,17 +115,18 @@ class FlatParams:
         plain parameters again. Whether there was any to wait for. A wait that raises leaves
         its bucket in flight (its parameters still guarded), so the next read raises too."""
         waited = False
-        for index in indices:
-            handle = self._in_flight.get(index)
-            if handle is None:
-                continue
-            handle.wait()
-            del self._in_flight[index]
-            waited = True
-            for param in self._bucket_params[index]:
-                if type(param) is InFlightParameter:
-                    param.__class__ = torch.nn.Parameter
-                    del param._zerolap_in_flight
+        with self._waiting:
+            for index in indices:
+                handle = self._in_flight.get(index)
+                if handle is None:
+                    continue
+                handle.wait()
+                del self._in_flight[index]
+                waited = True
+                for param in self._bucket_params[index]:
+                    if type(param) is InFlightParameter:
+                        param.__class__ = torch.nn.Parameter
+                        del param._zerolap_in_flight
         return waited
 
     def settle(self) -> None:

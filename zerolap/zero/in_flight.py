@@ -73,7 +73,10 @@ def settle_params(values) -> None:
         if isinstance(value, (list, tuple)):
             settle_params([v for v in value if not isinstance(v, (list, tuple))])
         elif type(value) is InFlightParameter:
-            value._zerolap_in_flight.settle()
+            # Another thread's wait may restore the class and drop the attribute meanwhile.
+            store = getattr(value, "_zerolap_in_flight", None)
+            if store is not None:
+                store.settle()
 
 
 class ForwardWaits:
