@@ -222,14 +222,17 @@ def test_checkpoint_without_offload_resumes_with_it(ranks, tmp_path):
 # -- faults ---------------------------------------------------------------------------------------
 
 
-def damage_then_step(directory: str, how: str) -> str:
+def damage_then_step(directory: str, how: str, only_rank: int | None = None) -> str:
+    """``only_rank``: the file of that rank alone is damaged."""
     config = _config(2, opt={"device": "nvme", "nvme_path": directory, "buffer_count": 1})
     engine, *_ = zerolap.initialize(model=make_model(), config=config)
     _train(engine, range(1))
     swapped = engine.optimizer.tiers[-1].state
     swapped.drain()  # the last write-back is done
     path = swapped.file.path
-    if how == "cut":
+    if only_rank is not None and dist.get_rank() != only_rank:
+        pass
+    elif how == "cut":
         os.truncate(path, 4096)
     else:
         with open(path, "r+b") as f:
@@ -254,6 +257,17 @@ def test_a_damaged_swap_file_is_a_named_error(ranks, tmp_path, how, message):
         first, second, path = text.split("\n")
         assert message in first and path in first
         assert path in second
+
+
+def test_a_swap_file_damaged_on_one_rank_stops_every_rank(ranks, tmp_path):
+    """Rank 0's file cut short: rank 0 raises its own error, rank 1 (which stepped) raises one
+    naming rank 0, before either publishes; both refuse the next step, and nothing hangs."""
+    damaged, other = ranks(2).run(damage_then_step, str(tmp_path), "cut", 0, timeout=60)
+    first, second, path = damaged.split("\n")
+    assert "cut short" in first and path in first and path in second
+    first, second, _ = other.split("\n")
+    assert "rank 0's swapped optimizer state failed its step" in first
+    assert second == first
 
 
 def build(config) -> str:

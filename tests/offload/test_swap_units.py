@@ -222,3 +222,24 @@ def test_staged_chunks_stay_pinned_until_copied_and_a_failed_read_breaks_the_swa
     assert chunks.writes == writes
     chunks.close()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_chunk_that_fails_its_read_breaks_the_swap_and_frees_its_buffer(tmp_path):
+    """With one buffer, a chunk read in place that fails its checksum must not keep the
+    buffer: every later use raises the first error instead of waiting for a buffer forever."""
+    plan = ParamSwapPlan(directory=tmp_path, rank=0, buffer_count=1, buffer_size=100, max_in_cpu=0)
+    chunks = plan.build({0: 40, 1: 40}, torch.float32, {})
+    for unit in (0, 1):
+        chunks.get(unit, write=True).fill_(unit)
+    chunks.flush()
+    chunks.get(0, write=False)  # unit 1 goes out of the one buffer
+    with open(next(tmp_path.iterdir()), "r+b") as f:
+        f.seek(4096 + 8)
+        f.write(b"\x01")
+    with pytest.raises(SwapError, match=r"the \d+ bytes at 4096 .*checksum mismatch") as first:
+        chunks.get(1, write=False)
+    for use in (lambda: chunks.get(0, write=False), lambda: chunks.stage(0), chunks.flush):
+        with pytest.raises(SwapError) as later:
+            use()
+        assert str(later.value) == str(first.value)
+    chunks.close()

@@ -129,7 +129,12 @@ class SwappedChunks:
         if buffer is None:
             buffer = self._take_buffer()
             if self.file.written(self.offsets[unit]):
-                self.file.read(self.offsets[unit], buffer, self.nbytes[unit])
+                try:
+                    self.file.read(self.offsets[unit], buffer, self.nbytes[unit])
+                except SwapError as error:
+                    self._free.append(buffer)  # holds nothing: the next use may take it
+                    self.broken = self.broken or error
+                    raise
                 self.reads += 1
             self._cached[unit] = buffer
         elif unit in self._reading:
@@ -163,7 +168,12 @@ class SwappedChunks:
 
         def take() -> torch.Tensor:
             if reading is not None:
-                reading.result()  # a SwapError: raised in the gather, recorded when collected
+                error = reading.exception()
+                if error is not None:
+                    # Broken from now on, before anything else stages or waits for a buffer
+                    # (this chunk's buffer is tidied when collected).
+                    self.broken = self.broken or error
+                    raise error
             return chunk
 
         return take

@@ -35,7 +35,15 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ALIGN", "SwapError", "SwapFile", "aligned", "aligned_empty", "swap_path"]
+__all__ = [
+    "ALIGN",
+    "SwapError",
+    "SwapFile",
+    "aligned",
+    "aligned_empty",
+    "give_back_free_heap",
+    "swap_path",
+]
 
 ALIGN = 4096
 """Alignment of file offsets, lengths and buffer addresses (``O_DIRECT`` needs the device's
@@ -47,6 +55,15 @@ if _SYNC_RANGE is not None:
     _SYNC_RANGE.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
 # SYNC_FILE_RANGE_WAIT_BEFORE | WRITE | WAIT_AFTER: the range is on disk when it returns.
 _SYNC_ALL = 1 | 2 | 4
+_MALLOC_TRIM = getattr(_LIBC, "malloc_trim", None)  # glibc's; other C libraries have none
+
+
+def give_back_free_heap() -> None:
+    """Return the C heap's free pages to the system. glibc raises its mmap threshold each time
+    a large block is freed, so a step's temporaries end up on the heap, and their pages stay
+    resident after they are freed: memory that offloading the state was meant to save."""
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 _instances = itertools.count()

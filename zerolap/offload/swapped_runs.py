@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from zerolap.offload.optimizer_swap import Field, OpenSubGroup, SwappedState
-from zerolap.offload.swap_file import SwapError, swap_path
+from zerolap.offload.swap_file import SwapError, give_back_free_heap, swap_path
 from zerolap.zero.sub_groups import SubGroup, last_share
 
 __all__ = ["SwapPlan", "SwappedRuns", "probe_fields"]
@@ -125,6 +125,7 @@ class SwappedRuns:
             finally:
                 self._detach(opened)
             self.state.close(position, stateful=self._stateful(sub_group))
+        give_back_free_heap()  # the step's temporaries, freed by now
 
     def _run_state(self, opened: OpenSubGroup, k: int, i: int) -> dict:
         if opened.fresh or i not in self.names:

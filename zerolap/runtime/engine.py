@@ -198,6 +198,15 @@ class ZerolapEngine(torch.nn.Module):
             self.optimizer = self._build_optimizer(make_optimizer(self.params))
             if self.optimizer.host_grads is not None:
                 self.reducer.on_delivered.append(self.optimizer.delivered)
+            swapped, buffers = self.optimizer.swapped_bytes(), self.optimizer.buffer_bytes()
+            if self.global_rank == 0 and 0 < swapped <= buffers:
+                logger.warning(
+                    f"zero_optimization.offload_optimizer.device 'nvme': its buffers "
+                    f"({buffers / 2**20:,.0f} MiB: buffer_count x sub_group_size) are as "
+                    f"large as the swapped state ({swapped / 2**20:,.0f} MiB), so offloading "
+                    "saves no memory here: lower zero_optimization.sub_group_size (now "
+                    f"{config.zero_optimization.sub_group_size:,})"
+                )
             if self.plan.shard_params:
                 self.param_store.after_write_back.append(self.optimizer.reload_master)
             self.lr_scheduler = make_scheduler(self.optimizer.inner)

@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 import zerolap.comm as dist
+from zerolap.offload.swap_file import SwapError
 from zerolap.zero.layout import FlatLayout
 from zerolap.zero.sub_groups import split_runs
 
@@ -206,6 +207,9 @@ class ZeroOptimizer:
         # them, to host memory. The rest stay where training runs, their master values (if
         # any) in one tensor.
         swapped = swap.choose(self.sub_groups) if swap is not None else []
+        # Whether the ranks agree each step that their swapped state was read and written
+        # whole: from the config, the same on every rank (a rank may own no swapped sub-group).
+        self._swap_agreed = swap is not None
         moved = swapped if swap is not None or host is None else host.choose(self.sub_groups)
         if host is not None and moved:
             _check_steps_on_host(inner)
@@ -408,11 +412,42 @@ class ZeroOptimizer:
         if divisor != 1.0:
             for on_device in _by_device(grads).values():
                 torch._foreach_div_([grads[i] for i in on_device], divisor)
-        for tier in self.tiers:
-            tier.step(lambda indices: self._step_runs(indices, grads))
+        failure = None
+        try:
+            for tier in self.tiers:
+                tier.step(lambda indices: self._step_runs(indices, grads))
+        except Exception as error:
+            if not self._swap_agreed:
+                raise
+            failure = error
+        if self._swap_agreed:
+            self._agree_swap_step(failure)
         self.loss_scaler.update_scale(False)
         self.last_norm, self.last_applied = norm, True
         return True
+
+    def _agree_swap_step(self, failure: Exception | None) -> None:
+        """Every rank learns whether any rank's swapped state failed its step (a file cut
+        short, a disk error), before any rank publishes parameters: each then raises and
+        refuses later steps, instead of the others stepping on and waiting in a collective the
+        failed rank never joins. The model is no longer the same across ranks' shards: resume
+        from the last checkpoint."""
+        rank = dist.get_rank()
+        failed = self._agree(
+            torch.tensor([rank + 1.0 if failure is not None else 0.0], device=self._zero.device),
+            "max",
+        )
+        if not failed:
+            return
+        error = failure or SwapError(
+            f"rank {int(failed) - 1}'s swapped optimizer state failed its step; this rank's "
+            "shard stepped and the model is no longer consistent across ranks: resume from "
+            "the last checkpoint"
+        )
+        for tier in self.tiers:  # every later use raises it, on every rank alike
+            if hasattr(tier, "state"):
+                tier.state.broken = tier.state.broken or error
+        raise error
 
     def _forget_host_grads(self) -> None:
         """A skipped step: the copies down of its gradients are done with."""
