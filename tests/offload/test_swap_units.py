@@ -224,6 +224,7 @@ def test_staged_chunks_stay_pinned_until_copied_and_a_failed_read_breaks_the_swa
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.timeout(60)  # the fault this guards against is a wait that never ends
 def test_a_chunk_that_fails_its_read_breaks_the_swap_and_frees_its_buffer(tmp_path):
     """With one buffer, a chunk read in place that fails its checksum must not keep the
     buffer: every later use raises the first error instead of waiting for a buffer forever."""

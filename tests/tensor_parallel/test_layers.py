@@ -185,9 +185,10 @@ def test_column_parallel(ranks, world_size):
 
 def check_readers_of_one_tensor(overlap: bool) -> list[torch.Tensor]:
     """Three column-parallel layers reading one tensor (Llama's q/k/v) reduce its gradient
-    once; a reader whose output takes no part in the loss leaves nothing behind: its partial
-    gradient is still reduced and added, in a second backward through the same input, and
-    both equal the dense layers' gradients."""
+    once, and equal the dense layers' gradients: when all outputs make the loss; when one
+    takes no part (its siblings' partial gradients are still reduced and added); and in a
+    backward after an ``autograd.grad`` of one weight alone, which left a partial input
+    gradient behind that must not count again."""
     from zerolap.comm.logger import COMMS_LOGGER
     from zerolap.tensor_parallel.mappings import BACKWARD
 
@@ -199,14 +200,19 @@ def check_readers_of_one_tensor(overlap: bool) -> list[torch.Tensor]:
     ]
     x = _inputs(5, 12)
     results = []
-    for used in ((0, 1, 2), (0, 2)):  # the second time, layer 1's output is not used
+    # The second time, layer 1's output is not used; the third, a weight's gradient is taken
+    # alone first.
+    for used, weight_first in (((0, 1, 2), False), ((0, 2), False), ((0, 1, 2), True)):
         want_x, got_x = x.clone().requires_grad_(), x.clone().requires_grad_()
         sum(denses[i](want_x * 1.5).square().sum() for i in used).backward()
         h = got_x * 1.5  # an intermediate, as a norm's output is
         outs = [layer(h) for layer in layers]
+        loss = sum(_gathered(outs[i]).square().sum() for i in used)
+        if weight_first:
+            torch.autograd.grad(loss, [layers[0].weight], retain_graph=True)
         dist.configure(enabled=True, prof_all=True)
         COMMS_LOGGER.reset()
-        sum(_gathered(outs[i]).square().sum() for i in used).backward()
+        loss.backward()
         calls = [r.message_bytes for r in COMMS_LOGGER.records if r.op == BACKWARD]
         dist.configure(enabled=False)
         assert calls == [x.numel() * 4], calls  # one all-reduce of the input gradient

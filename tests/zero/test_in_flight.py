@@ -285,14 +285,21 @@ def check_two_threads_wait_for_one_bucket() -> list[str]:
         except Exception as error:
             errors.append(f"the reading thread: {error!r}")
 
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, targets = global_batch(1, MICRO * world)
+    mine = slice(rank * MICRO, rank * MICRO + MICRO)
     thread = threading.Thread(target=read)
     thread.start()
-    try:
-        losses = [_step(deferred, 1), _step(waited, 1)]
+    try:  # the forward waits for the buckets while the reader does
+        loss = loss_fn(deferred(tokens[mine], use_sometimes=False), targets[mine])
     except Exception as error:
         errors.append(f"the training thread: {error!r}")
-        losses = []
-    thread.join()
+    thread.join()  # before the step changes what the reader copies
+    losses = []
+    if not errors:
+        deferred.backward(loss)
+        deferred.step()
+        losses = [loss.item(), _step(waited, 1)]
     failures = list(errors)
     if losses and losses[0] != losses[1]:
         failures.append(f"losses {losses}")

@@ -393,3 +393,49 @@ def check_forward_that_raises(abort_at: int) -> float:
 def test_a_forward_that_raised_leaves_nothing_stale(ranks, abort_at):
     for diff in ranks(2).run(check_forward_that_raises, abort_at):
         assert diff < 1e-5, diff
+
+
+class _Raises(torch.nn.Linear):
+    def forward(self, x):
+        raise RuntimeError("no kernel for this input, say")
+
+
+class _Fallback(torch.nn.Module):
+    """A block that catches its child's error and takes another path (a fallback): the
+    child's forward never ends, the block's own does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fast = _Raises(8, 8)
+        self.slow = torch.nn.Linear(8, 8)
+        self.scale = torch.nn.Parameter(torch.ones(8))  # the block's own: hooked on it
+        self.out = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        try:
+            h = self.fast(x)
+        except RuntimeError:
+            h = self.slow(x)
+        return self.out(torch.tanh(h * self.scale))
+
+
+def fallback() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return _Fallback()
+
+
+def check_caught_inside_a_forward() -> tuple[float, list[int]]:
+    engine, *_ = zerolap.initialize(model=fallback(), config=_config())
+    holds = []
+    for step in range(3):
+        _train_step(engine, step)
+        holds.append(sum(engine.fetcher.store.holds))
+    got = _whole(engine.module.parameters())
+    engine.destroy()
+    return _diff(got, _reference(fallback, 3)), holds
+
+
+def test_an_error_caught_inside_a_forward_leaves_nothing_held(ranks):
+    for diff, holds in ranks(2).run(check_caught_inside_a_forward):
+        assert holds == [0, 0, 0], holds
+        assert diff < 1e-5, diff

@@ -292,7 +292,7 @@ def parallelize(
                 (name, _convert(name, module, rule, group, split, overlap_backward))
             )
         except ValueError as error:
-            raise ValueError(f"{error} (layer {name}, a {type(module).__name__})") from None
+            raise ValueError(f"{error} (layer {name}, a {type(module).__name__})") from error
     for name, replacement in replacements:
         _replace(model, name, replacement)
     _divide(model, plan, count, apply=True)

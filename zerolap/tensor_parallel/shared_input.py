@@ -35,8 +35,9 @@ class SharedInput:
     def __init__(self, group) -> None:
         self.group = group
         self.readers = 0  # column-parallel reads of the tensor, over every forward through it
-        self.arrived = 0  # of those, the backward passes that have delivered their gradient
+        self.arrived = 0  # of those, the ones whose backward delivered in the current pass
         self.pending: torch.Tensor | None = None  # partial gradients not yet reduced
+        self.task = None  # the autograd pass they arrived in
 
     @classmethod
     def of(cls, x: torch.Tensor, group) -> SharedInput | None:
@@ -55,6 +56,11 @@ class SharedInput:
     def arrive(self, partial: torch.Tensor) -> torch.Tensor | None:
         """Add one reader's partial input gradient: the sum of every one not reduced yet when
         this is the last reader to arrive (its caller reduces it), None otherwise."""
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            # A new backward pass: what an earlier one left pending (it never needed x's
+            # gradient, as ``autograd.grad`` of the weights alone) is not part of this one.
+            self.task, self.arrived, self.pending = task, 0, None
         self.arrived += 1
         if self.pending is None:
             self.pending = partial

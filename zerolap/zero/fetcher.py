@@ -387,13 +387,7 @@ class ParamFetcher:
 
     def _post_forward(self, units: list[int]):
         def hook(module, args, output):
-            held = units
-            if self.running and self.running[-1][0] is module:
-                held = self.running.pop()[1]
-            for unit in held:
-                self.store.holds[unit] -= 1
-                if not self.store.holds[unit] and not self._keep(unit):
-                    self.store.release(unit)
+            self._let_go(self._unwind(module))
             if torch.is_grad_enabled():
                 needs_grad = [
                     t
@@ -406,6 +400,28 @@ class ParamFetcher:
                     )
 
         return hook
+
+    def _unwind(self, module: torch.nn.Module) -> list[int]:
+        """``module``'s forward ended: its entry leaves ``running``, with those above it,
+        children whose forward raised and that it caught (a fallback path), whose holds go.
+        The units it held; none when it has no entry (a forward that raised around it was
+        dropped already)."""
+        for k in range(len(self.running) - 1, -1, -1):
+            if self.running[k][0] is module:
+                for _, held in self.running[k + 1 :]:
+                    self._let_go(held)
+                held = self.running[k][1]
+                del self.running[k:]
+                return held
+        return []
+
+    def _let_go(self, units: list[int]) -> None:
+        """Drop one hold of each of ``units``; a unit no one holds is released unless the
+        record says it is needed again soon."""
+        for unit in units:
+            self.store.holds[unit] -= 1
+            if not self.store.holds[unit] and not self._keep(unit):
+                self.store.release(unit)
 
     def _on_grad(self, unit: int):
         def hook(param) -> None:

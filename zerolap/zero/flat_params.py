@@ -9,6 +9,7 @@ all of them, and every method here that reads or writes the values calls it firs
 from __future__ import annotations
 
 import threading
+from contextlib import nullcontext
 
 import torch
 
@@ -61,6 +62,10 @@ class FlatParams:
         # A thread reading parameters (a snapshot for logging or an async checkpoint) may wait
         # for a bucket while the training thread's forward waits for the same one.
         self._waiting = threading.RLock()
+        # On CUDA, the stream training ran on when the gathers were launched: a wait orders it
+        # after them, whichever thread waits first (a reader on its own stream then waits for
+        # that stream), so the training stream never misses a gather another thread took.
+        self._stream = None
         self.flat = torch.zeros(layout.numel, dtype=first.dtype, device=first.device)
         for slot, param in zip(layout.slots, params, strict=True):
             view = self.flat[slot.offset : slot.offset + slot.numel].view_as(param)
@@ -85,6 +90,8 @@ class FlatParams:
         if not self.sharded:
             return
         self.settle()
+        if self.defer and self.flat.device.type == "cuda":
+            self._stream = torch.cuda.current_stream(self.flat.device)
         if self.defer:
             # Marked before the first launch, so no read in between can see a stale chunk.
             for param in self.params:
@@ -115,7 +122,8 @@ class FlatParams:
         plain parameters again. Whether there was any to wait for. A wait that raises leaves
         its bucket in flight (its parameters still guarded), so the next read raises too."""
         waited = False
-        with self._waiting:
+        on = torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+        with self._waiting, on:
             for index in indices:
                 handle = self._in_flight.get(index)
                 if handle is None:
@@ -127,6 +135,10 @@ class FlatParams:
                     if type(param) is InFlightParameter:
                         param.__class__ = torch.nn.Parameter
                         del param._zerolap_in_flight
+        if waited and self._stream is not None:
+            caller = torch.cuda.current_stream(self.flat.device)
+            if caller != self._stream:
+                caller.wait_stream(self._stream)
         return waited
 
     def settle(self) -> None:

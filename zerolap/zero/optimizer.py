@@ -210,6 +210,7 @@ class ZeroOptimizer:
         # Whether the ranks agree each step that their swapped state was read and written
         # whole: from the config, the same on every rank (a rank may own no swapped sub-group).
         self._swap_agreed = swap is not None
+        self._swap_failed: Exception | None = None  # agreed: every rank refuses from then on
         moved = swapped if swap is not None or host is None else host.choose(self.sub_groups)
         if host is not None and moved:
             _check_steps_on_host(inner)
@@ -334,6 +335,8 @@ class ZeroOptimizer:
         """Start bringing swapped state in for the next step (it does not depend on the
         gradients, so the engine calls this as the step's last backward begins); offloaded
         gradients are copied to the host as that backward delivers them."""
+        if self._swap_failed is not None:
+            raise self._swap_failed  # on every rank, a rank with nothing swapped included
         for tier in self.tiers:
             tier.prefetch()
         if self.host_grads is not None:
@@ -383,6 +386,8 @@ class ZeroOptimizer:
 
     def update(self) -> bool:
         """Phases 1-5 (compute only): the owned elements take their step."""
+        if self._swap_failed is not None:
+            raise self._swap_failed
         self.grads.settle()  # places no reduction reached are zero; copies down have arrived
         self.store.settle()  # no chunk may change while the last step's gathers send it
         grads = self._owned_grads()
@@ -444,7 +449,8 @@ class ZeroOptimizer:
             "shard stepped and the model is no longer consistent across ranks: resume from "
             "the last checkpoint"
         )
-        for tier in self.tiers:  # every later use raises it, on every rank alike
+        self._swap_failed = error  # every later step raises it, on every rank alike
+        for tier in self.tiers:  # and every other use of a swapped state (a checkpoint)
             if hasattr(tier, "state"):
                 tier.state.broken = tier.state.broken or error
         raise error
