@@ -201,21 +201,30 @@ def check_readers_of_one_tensor(overlap: bool) -> list[torch.Tensor]:
     x = _inputs(5, 12)
     results = []
     # The second time, layer 1's output is not used; the third, a weight's gradient is taken
-    # alone first.
-    for used, weight_first in (((0, 1, 2), False), ((0, 2), False), ((0, 1, 2), True)):
+    # alone first; the fourth, that too, and then a backward reaching x through none of them.
+    for used, weight_first in (((0, 1, 2), False), ((0, 2), False), ((0, 1, 2), True), ((), True)):
         want_x, got_x = x.clone().requires_grad_(), x.clone().requires_grad_()
-        sum(denses[i](want_x * 1.5).square().sum() for i in used).backward()
+        if used:
+            sum(denses[i](want_x * 1.5).square().sum() for i in used).backward()
+        else:
+            (want_x * 1.5).square().sum().backward()
         h = got_x * 1.5  # an intermediate, as a norm's output is
         outs = [layer(h) for layer in layers]
-        loss = sum(_gathered(outs[i]).square().sum() for i in used)
-        if weight_first:
+        if used:
+            loss = sum(_gathered(outs[i]).square().sum() for i in used)
+        else:  # the weight's gradient from the readers' outputs, then a loss on h alone
+            weight_loss = _gathered(outs[0]).square().sum()
+            torch.autograd.grad(weight_loss, [layers[0].weight])
+            loss = h.square().sum()
+        if weight_first and used:
             torch.autograd.grad(loss, [layers[0].weight], retain_graph=True)
         dist.configure(enabled=True, prof_all=True)
         COMMS_LOGGER.reset()
         loss.backward()
         calls = [r.message_bytes for r in COMMS_LOGGER.records if r.op == BACKWARD]
         dist.configure(enabled=False)
-        assert calls == [x.numel() * 4], calls  # one all-reduce of the input gradient
+        # One all-reduce of the input gradient; none when no reader is on the way.
+        assert calls == ([x.numel() * 4] if used else []), calls
         close(got_x.grad, want_x.grad, f"input gradient, outputs {used} used")
         for i in used:
             close(layers[i].weight.grad, _slice(denses[i].weight.grad, 0), f"weight {i}")

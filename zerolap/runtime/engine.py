@@ -565,6 +565,8 @@ class ZerolapEngine(torch.nn.Module):
     def _open_backward(self, kind: str) -> None:
         """What precedes every backward's autograd: a new accumulation cycle if one is due,
         and the reducer told whether this micro-batch reduces."""
+        if self.optimizer is not None:
+            self.optimizer.refuse_if_failed()  # before anything here changes
         self._backward_kind = kind
         if self._cycle_fresh:
             self.reducer.begin_cycle()

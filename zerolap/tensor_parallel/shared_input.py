@@ -74,8 +74,10 @@ class SharedInput:
         return total
 
     def _flush(self, grad: torch.Tensor) -> torch.Tensor:
-        """The hook on the shared tensor: add what readers whose backward did not run left."""
-        if self.pending is None:
+        """The hook on the shared tensor: add what readers whose backward did not run left
+        (in this pass: an earlier one's leftovers are not part of this gradient)."""
+        if self.pending is None or self.task != torch._C._current_graph_task_id():
+            self.pending = None
             return grad
         left, self.pending = self.pending, None
         return grad + all_reduce_now(left, self.group, name=BACKWARD)

@@ -136,7 +136,8 @@ class ParamFetcher:
     def _hook_module(self, module: torch.nn.Module, units: list[int]) -> None:
         self.forward_hooks += [
             module.register_forward_pre_hook(self._pre_forward(units), with_kwargs=True),
-            module.register_forward_hook(self._post_forward(units)),
+            # Also when the forward raises: its units are let go at once.
+            module.register_forward_hook(self._post_forward(units), always_call=True),
         ]
 
     def add_external(self, module: torch.nn.Module, param: torch.nn.Parameter) -> None:

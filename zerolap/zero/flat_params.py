@@ -135,7 +135,7 @@ class FlatParams:
                     if type(param) is InFlightParameter:
                         param.__class__ = torch.nn.Parameter
                         del param._zerolap_in_flight
-        if waited and self._stream is not None:
+        if self._stream is not None:  # waited here, or by another thread before
             caller = torch.cuda.current_stream(self.flat.device)
             if caller != self._stream:
                 caller.wait_stream(self._stream)

@@ -335,8 +335,6 @@ class ZeroOptimizer:
         """Start bringing swapped state in for the next step (it does not depend on the
         gradients, so the engine calls this as the step's last backward begins); offloaded
         gradients are copied to the host as that backward delivers them."""
-        if self._swap_failed is not None:
-            raise self._swap_failed  # on every rank, a rank with nothing swapped included
         for tier in self.tiers:
             tier.prefetch()
         if self.host_grads is not None:
@@ -386,8 +384,7 @@ class ZeroOptimizer:
 
     def update(self) -> bool:
         """Phases 1-5 (compute only): the owned elements take their step."""
-        if self._swap_failed is not None:
-            raise self._swap_failed
+        self.refuse_if_failed()
         self.grads.settle()  # places no reduction reached are zero; copies down have arrived
         self.store.settle()  # no chunk may change while the last step's gathers send it
         grads = self._owned_grads()
@@ -430,6 +427,12 @@ class ZeroOptimizer:
         self.loss_scaler.update_scale(False)
         self.last_norm, self.last_applied = norm, True
         return True
+
+    def refuse_if_failed(self) -> None:
+        """Raise the swap failure the ranks agreed on, if any: every later backward and step
+        is refused on every rank, a rank with nothing swapped included."""
+        if self._swap_failed is not None:
+            raise self._swap_failed
 
     def _agree_swap_step(self, failure: Exception | None) -> None:
         """Every rank learns whether any rank's swapped state failed its step (a file cut
