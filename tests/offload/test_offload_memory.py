@@ -15,7 +15,7 @@ import torch
 
 from tests.multiproc import run_on_ranks
 
-WIDTH, DEPTH = 1024, 8  # 8.4M parameters
+WIDTH, DEPTH = 2048, 2  # 8.4M parameters
 SUB_GROUP, BUFFERS = 65_536, 2
 # glibc's own settings, measured as a user's process stands (the engine gives the heap's free
 # pages back after a swapped step; the run in memory keeps them); and a fixed mmap threshold,
