@@ -156,7 +156,6 @@ class PipelineEngine(ZerolapEngine):
         self.stage_id = mesh.pipe_rank
         self.chunks = module.virtual_stages  # chunks of layers per rank (interleaved 1F1B)
         self._check_accumulation(self.gradient_accumulation_steps())
-        self.micro_batches = self.gradient_accumulation_steps()
         if self.num_stages * self.chunks > MAX_CHUNKS:
             raise ConfigError(
                 f"{self.num_stages} stages x virtual_stages={self.chunks} chunks: at most "
@@ -361,10 +360,11 @@ class PipelineEngine(ZerolapEngine):
                 f"{self.num_stages} stages; use a multiple of {self.num_stages}"
             )
 
-    def set_train_batch_size(self, train_batch_size: int) -> None:
-        """A new global batch, by another number of micro-batches per ``train_batch``."""
-        super().set_train_batch_size(train_batch_size)
-        self.micro_batches = self.gradient_accumulation_steps()
+    @property
+    def micro_batches(self) -> int:
+        """Micro-batches per ``train_batch``: the accumulation steps (DeepSpeed's attribute;
+        ``set_train_batch_size`` changes it between batches)."""
+        return self.gradient_accumulation_steps()
 
     @property
     def is_pipe_parallel(self) -> bool:

@@ -62,12 +62,7 @@ class SharedInput:
             # gradient, as ``autograd.grad`` of the weights alone) is not part of this one.
             self.task, self.arrived, self.pending = task, 0, None
         self.arrived += 1
-        if self.pending is None:
-            self.pending = partial
-        elif self.pending.dtype == partial.dtype:
-            self.pending.add_(partial)
-        else:
-            self.pending = self.pending + partial
+        self.pending = partial if self.pending is None else self.pending.add_(partial)
         if self.arrived < self.readers:
             return None
         total, self.pending = self.pending, None

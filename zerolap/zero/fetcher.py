@@ -223,8 +223,7 @@ class ParamFetcher:
         the holds go, or those units would stay gathered, and stale once the step changes
         their shards."""
         for _, held in self.running:
-            for unit in held:
-                self.store.holds[unit] -= 1
+            self._let_go(held)
         self.running.clear()
 
     def finish_backward(self) -> None:
