@@ -1,0 +1,42 @@
+"""A rank that ends as DeepSpeed's scripts do, without ``destroy_process_group``, while ops it
+started are still in flight. Writes whether the process group was still alive when the last
+exit handler ran (registered before ``init_distributed``, so it runs after zerolap's)."""
+
+import atexit
+import os
+import sys
+import time
+
+import torch
+
+import zerolap.comm as dist
+import zerolap.comm.groups as groups
+
+out_file, mode = sys.argv[1], sys.argv[2]
+
+
+def report() -> None:
+    with open(f"{out_file}.{os.environ['RANK']}", "w") as f:
+        f.write("alive" if torch.distributed.is_initialized() else "released")
+
+
+atexit.register(report)
+groups.EXIT_RELEASE_S = 3.0
+dist.init_distributed(dist_backend="gloo", verbose=False)
+rank = dist.get_rank()
+if mode == "in_flight":
+    # All-gathers started on every rank and never waited for (the engine leaves its parameter
+    # gathers in flight after step() until the next forward).
+    handles = [
+        dist.all_gather([torch.empty(1000) for _ in range(2)], torch.ones(1000), async_op=True)
+        for _ in range(4)
+    ]
+elif mode == "unmatched":
+    # Rank 0 starts an all-reduce rank 1 never joins, and ends while rank 1 is still busy.
+    if rank == 0:
+        handle = dist.all_reduce(torch.ones(4), async_op=True)
+    else:
+        time.sleep(30)
+elif mode == "raises":
+    handles = [dist.all_reduce(torch.ones(4), async_op=True)]
+    raise ValueError("the script failed")
