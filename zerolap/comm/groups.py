@@ -49,6 +49,7 @@ DEFAULT_TIMEOUT = timedelta(minutes=10)
 EXIT_RELEASE_S = 30.0
 
 _local_rank = 0
+_release_pid: int | None = None  # the process whose group init_distributed created
 _release_registered = False
 
 
@@ -76,7 +77,7 @@ def init_distributed(
     ``auto_mpi_discovery`` and ``dist_init_required`` exist for DeepSpeed's signature; discovery
     of Open MPI is always on and initialisation happens whenever it has not yet.
     """
-    global _local_rank, _release_registered
+    global _local_rank, _release_pid, _release_registered
     if config is not None and "comms_logger" in config:
         from zerolap.comm.logger import configure
 
@@ -127,6 +128,7 @@ def init_distributed(
     if not _release_registered:
         atexit.register(_release_at_exit)
         _release_registered = True
+    _release_pid = os.getpid()
     watchdog.start(launch.rank, launch.world_size, timeout.total_seconds())
     if verbose and launch.rank == 0:
         logger.info(
@@ -136,8 +138,14 @@ def init_distributed(
 
 
 def _release_at_exit() -> None:
-    """Destroy the group ``init_distributed`` created before the interpreter tears down."""
-    if not torch_dist.is_initialized() or getattr(sys, "last_value", None) is not None:
+    """Destroy the group ``init_distributed`` created before the interpreter tears down (in
+    the process that created it: a forked child that exits normally has the group's state
+    but not its threads)."""
+    if (
+        os.getpid() != _release_pid
+        or not torch_dist.is_initialized()
+        or getattr(sys, "last_value", None) is not None
+    ):
         return
     try:
         releasing = threading.Thread(target=destroy_process_group, daemon=True)
@@ -239,12 +247,14 @@ def new_group(ranks: list[int] | None = None, **kwargs) -> torch_dist.ProcessGro
 
 
 def destroy_process_group(group: torch_dist.ProcessGroup | None = None) -> None:
+    global _release_pid
     from zerolap.comm.checks import forget_groups
     from zerolap.comm.ring import forget_channels
 
     forget_groups()
     forget_channels()
     if group is None:
+        _release_pid = None  # a group created after this one, by the user, is the user's
         watchdog.stop()
     if torch_dist.is_initialized():
         torch_dist.destroy_process_group(group)
