@@ -36,7 +36,7 @@ elif mode == "unmatched":
     if rank == 0:
         handle = dist.all_reduce(torch.ones(4), async_op=True)
     else:
-        time.sleep(30)
+        time.sleep(20)
 elif mode == "raises":
     handles = [dist.all_reduce(torch.ones(4), async_op=True)]
     raise ValueError("the script failed")

@@ -71,8 +71,8 @@ def test_ops_left_in_flight_at_exit_end_cleanly(tmp_path):
 
 def test_a_peer_that_never_joins_does_not_hold_the_exit(tmp_path):
     first, second = _run_two_ranks(tmp_path, "unmatched")
-    # Rank 0 gives up on its op after EXIT_RELEASE_S (3 s here), not when rank 1 leaves (30 s).
-    assert first["took"] < 20, first
+    # Rank 0 gives up on its op after EXIT_RELEASE_S (3 s here), not when rank 1 leaves (20 s).
+    assert first["took"] < 16, first
     assert "exiting without destroying it" in first["err"]
     assert second["code"] == 0 and second["seen"] == "released", second["err"][-2000:]
 

@@ -6,6 +6,7 @@ a named error."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 from pathlib import Path
@@ -322,6 +323,34 @@ def test_unwritable_or_full_nvme_path_fails_before_training(ranks, mount_tmpfs):
     assert answer.startswith(f"SwapError: cannot allocate swap file {tiny}/")
     assert "No space left on device" in answer and "free on" in answer
     assert os.listdir(tiny) == []
+
+
+def build_with_rank1_on(config, block: str, path: str) -> str:
+    """Rank 1's ``nvme_path`` is ``path``; the others' is the config's."""
+    if dist.get_rank() == 1:
+        config["zero_optimization"][block]["nvme_path"] = path
+    return build(config)
+
+
+@pytest.mark.parametrize(("stage", "block"), [(2, "offload_optimizer"), (3, "offload_param")])
+def test_a_disk_full_on_one_rank_stops_every_rank_at_initialize(
+    ranks, mount_tmpfs, tmp_path, stage, block
+):
+    full = mount_tmpfs("size=64k")
+    with open(full / "filler", "wb") as f, contextlib.suppress(OSError):
+        f.write(b"x" * (128 << 10))  # nothing left for a swap file
+    config = _config(stage, sub_group=0)
+    config["zero_optimization"][block] = {"device": "nvme", "nvme_path": str(tmp_path)}
+    if block == "offload_param":
+        config["zero_optimization"][block]["max_in_cpu"] = 0
+    first, second = ranks(2).run(build_with_rank1_on, config, block, str(full), timeout=60)
+    assert second.startswith(f"SwapError: cannot allocate swap file {full}/"), second
+    # Without the agreement rank 0 went on into the next collective and waited for rank 1.
+    assert first == (
+        "SwapError: rank 1 could not set up its swap file (its own error says why), "
+        "so no rank trains"
+    )
+    assert os.listdir(full) == ["filler"]
 
 
 def offload_cpu_notes() -> list[str]:

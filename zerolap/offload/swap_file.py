@@ -31,7 +31,9 @@ import threading
 import time
 import weakref
 import zlib
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -42,6 +44,7 @@ __all__ = [
     "aligned",
     "aligned_empty",
     "give_back_free_heap",
+    "set_up_on_every_rank",
     "swap_path",
 ]
 
@@ -67,6 +70,7 @@ def give_back_free_heap() -> None:
 
 
 _instances = itertools.count()
+T = TypeVar("T")
 
 
 def swap_path(directory: Path, rank: int, kind: str) -> Path:
@@ -77,6 +81,27 @@ def swap_path(directory: Path, rank: int, kind: str) -> Path:
 
 class SwapError(RuntimeError):
     """A swap file could not hold or give back what it was asked to; names the file."""
+
+
+def set_up_on_every_rank(build: Callable[[], T], agree: Callable[[float], float], rank: int) -> T:
+    """``build()`` (which creates this rank's swap files), then the ranks agree on whether it
+    worked everywhere: ``agree(x)`` is the maximum of ``x`` over the ranks. A disk full on one
+    rank (its own ``nvme_path``) then stops every rank at once, with an error naming that rank,
+    instead of the others going on into collectives the failed rank never joins."""
+    failure = None
+    try:
+        built = build()
+    except SwapError as err:
+        failure, built = err, None
+    failed = agree(rank + 1.0 if failure is not None else 0.0)
+    if failure is not None:
+        raise failure
+    if failed:
+        raise SwapError(
+            f"rank {int(failed) - 1} could not set up its swap file (its own error says why), "
+            "so no rank trains"
+        )
+    return built
 
 
 def aligned(nbytes: int) -> int:

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 import zerolap.comm as dist
-from zerolap.offload.swap_file import SwapError
+from zerolap.offload.swap_file import SwapError, set_up_on_every_rank
 from zerolap.zero.layout import FlatLayout
 from zerolap.zero.sub_groups import split_runs
 
@@ -259,8 +259,16 @@ class ZeroOptimizer:
             batches = [[i for i in sg.runs if i in stepped] for sg in moved]
             tier = ResidentRuns(stepped_on_host, self.views, inner, on_host=True, batches=batches)
             self.tiers.append(tier)
-        if swapped:
-            self.tiers.append(swap.build(self, swapped))
+        if self._swap_agreed:  # every rank, a rank that swaps nothing too
+            tier = set_up_on_every_rank(
+                lambda: swap.build(self, swapped) if swapped else None,
+                lambda failed: self._agree(
+                    torch.tensor([failed], device=dist.buffer_device(group)), "max"
+                ),
+                dist.get_rank(),
+            )
+            if tier is not None:
+                self.tiers.append(tier)
         self.reload_master()
         device = param_store.device
         # Stand-ins for a rank whose chunks hold only padding (tiny model, many ranks).

@@ -32,7 +32,7 @@ from collections.abc import Callable
 import torch
 
 import zerolap.comm as dist
-from zerolap.offload.swap_file import SwapError
+from zerolap.offload.swap_file import SwapError, set_up_on_every_rank
 from zerolap.zero.gather import all_gather_bucket
 from zerolap.zero.layout import FlatLayout, OwnedRun
 from zerolap.zero.status import ParamStatus, mark, unmark
@@ -158,10 +158,18 @@ class ShardedParams:
             return None
         chunks = [b.chunk_numel for b in self.layout.buckets]
         units = plan.choose(chunks, self.persistent)
-        if not units:
-            return None
         names = {u: unit_names[u] if unit_names else f"unit {u}" for u in units}
-        return plan.build({u: chunks[u] for u in units}, self.dtype, names)
+
+        def build():
+            return plan.build({u: chunks[u] for u in units}, self.dtype, names) if units else None
+
+        def agree(failed: float) -> float:
+            flag = torch.tensor([failed], device=dist.buffer_device(self.group))
+            if dist.get_world_size(self.group) > 1:
+                dist.all_reduce(flag, op="max", group=self.group)
+            return flag.item()
+
+        return set_up_on_every_rank(build, agree, dist.get_rank())
 
     def _unallocated(self, numel: int) -> torch.Tensor:
         full = torch.empty(numel, dtype=self.dtype, device=self.device)
