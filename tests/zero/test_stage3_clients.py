@@ -6,6 +6,7 @@ one process."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import pytest
@@ -363,6 +364,64 @@ def test_a_parameter_read_without_calling_its_module_is_gathered(ranks):
         assert (result["evaluated"] - evaluated).abs().max().item() < 1e-5
         assert result["registered"] == [True] and result["released"]
         assert result["misses"] == 0  # the first step recorded the borrow; later ones agree
+
+
+# -- a weight gathered by its user, in forward and again in backward (TRL's fused LM head) ------
+
+
+def _gathered_if_sharded(weight):
+    """TRL's ``maybe_gather_lm_head_ctx``: gather unless it is whole already."""
+    available = getattr(weight, "ds_status", None) in (None, ZeroParamStatus.AVAILABLE)
+    return contextlib.nullcontext() if available else GatheredParameters([weight])
+
+
+class _HeadProjection(torch.autograd.Function):
+    """Reads the head's weight without calling the head, and gathers it again in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight):
+        ctx.save_for_backward(hidden, weight)
+        return hidden @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        with _gathered_if_sharded(weight):
+            return grad @ weight, grad.t() @ hidden
+
+
+class FusedHead(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Linear(8, 16)
+        self.head = torch.nn.Linear(16, 1, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.head.weight
+        with _gathered_if_sharded(weight):
+            return _HeadProjection.apply(torch.tanh(self.body(x)), weight)
+
+
+def fused_head() -> FusedHead:
+    torch.manual_seed(0)
+    return FusedHead()
+
+
+def check_fused_head() -> list[torch.Tensor]:
+    model = fused_head()
+    engine, *_ = zerolap.initialize(model=model, config=_config())
+    for step in range(3):
+        _train_step(engine, step)
+    return _whole(model.parameters())
+
+
+def test_a_weight_its_user_gathers_in_backward_takes_its_gradient(ranks):
+    # The gradient reaches autograd's accumulation after the backward's GatheredParameters
+    # released the weight: torch shaped its copy after the released (empty) parameter and
+    # failed ("The size of tensor a (0) must match the size of tensor b (16)").
+    expected = _reference(fused_head, 3)
+    for params in ranks(2).run(check_fused_head, timeout=TIMEOUT):
+        assert _diff(params, expected) < 1e-5
 
 
 # -- a forward that raises ----------------------------------------------------------------------

@@ -130,8 +130,10 @@ class ParamFetcher:
         for slot, param in enumerate(self.store.params):
             unit = self.store.layout.slots[slot].bucket
             if not self.store.persistent[unit] and param.requires_grad:
-                handle = param.register_post_accumulate_grad_hook(self._on_grad(unit))
-                self.backward_hooks.append(handle)
+                self.backward_hooks += [
+                    param.register_hook(self._before_grad(slot)),
+                    param.register_post_accumulate_grad_hook(self._on_grad(unit, slot)),
+                ]
 
     def _hook_module(self, module: torch.nn.Module, units: list[int]) -> None:
         self.forward_hooks += [
@@ -423,11 +425,18 @@ class ParamFetcher:
             if not self.store.holds[unit] and not self._keep(unit):
                 self.store.release(unit)
 
-    def _on_grad(self, unit: int):
+    def _before_grad(self, slot: int):
+        def hook(grad: torch.Tensor) -> None:
+            self.store.stand_in(slot)
+
+        return hook
+
+    def _on_grad(self, unit: int, slot: int):
         def hook(param) -> None:
             self._due[unit] -= 1
             if self._due[unit] == 0:  # every gradient of the unit is in the reducer's hands
                 self._due[unit] = self._slots[unit]
                 self.store.release(unit)
+            self.store.drop_stand_in(slot)
 
         return hook

@@ -321,6 +321,25 @@ class ShardedParams:
         self._pool.drain(self.full[unit].untyped_storage())
         self._set_status(unit, ParamStatus.SHARDED)
 
+    def stand_in(self, slot: int) -> None:
+        """Autograd is about to accumulate a gradient into parameter ``slot`` while its unit
+        is released: a gradient computed while the parameter was gathered by its user, as a
+        custom autograd Function does that gathers the weight it reads itself, in forward and
+        again in backward, with ``GatheredParameters`` (TRL's fused LM head). torch shapes the
+        gradient it keeps after the parameter, so the parameter shows its full shape for the
+        while, over one element of memory; ``drop_stand_in`` ends it once the gradient has
+        been taken."""
+        if self.status[self.layout.slots[slot].bucket] == ParamStatus.SHARDED:
+            param = self.params[slot]
+            one = torch.empty((), dtype=self.dtype, device=self.device)
+            param.data = one.expand(param.ds_shape)
+
+    def drop_stand_in(self, slot: int) -> None:
+        param = self.params[slot]
+        released = self.status[self.layout.slots[slot].bucket] == ParamStatus.SHARDED
+        if released and param.shape != (0,):
+            param.data = torch.empty(0, dtype=self.dtype, device=self.device)
+
     def in_use(self, unit: int) -> bool:
         return bool(self.holds[unit] or self.pins[unit])
 
