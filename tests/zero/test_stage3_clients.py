@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 import zerolap
 import zerolap.comm as dist
@@ -421,6 +422,58 @@ def test_a_weight_its_user_gathers_in_backward_takes_its_gradient(ranks):
     # failed ("The size of tensor a (0) must match the size of tensor b (16)").
     expected = _reference(fused_head, 3)
     for params in ranks(2).run(check_fused_head, timeout=TIMEOUT):
+        assert _diff(params, expected) < 1e-5
+
+
+# -- torch's non-reentrant activation checkpointing (transformers' default) --------------------
+
+
+class Checkpointed(torch.nn.Module):
+    """Blocks called through ``torch.utils.checkpoint`` as transformers' checkpointing layers
+    call themselves: the recompute runs the blocks' hooks again, inside the backward."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.reentrant = reentrant
+        self.embed = torch.nn.Linear(8, 8)  # so that the first block's input needs a gradient
+        self.blocks = torch.nn.ModuleList(
+            # Ending on the Linear, as a Transformer block's MLP does: its backward gathers
+            # the weight before the recompute runs.
+            torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(8, 8))
+            for _ in range(3)
+        )
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.reentrant)
+        return self.head(x)
+
+
+def checkpointed(reentrant: bool) -> Checkpointed:
+    torch.manual_seed(0)
+    return Checkpointed(reentrant)
+
+
+def check_checkpointed(reentrant: bool) -> list[torch.Tensor]:
+    model = checkpointed(reentrant)
+    # Nothing kept gathered past its use: every unit is released as soon as it may be.
+    config = _config(
+        stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0, reduce_bucket_size=64
+    )
+    engine, *_ = zerolap.initialize(model=model, config=config)
+    for step in range(3):
+        _train_step(engine, step)
+    return _whole(model.parameters())
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_recomputes_with_the_units_it_gathers(ranks, reentrant):
+    # Non-reentrant: the recompute's forward hooks released the units its saved tensors read,
+    # and the backward then failed ("setStorage: ... out of bounds for storage of size 0").
+    expected = _reference(lambda: checkpointed(reentrant), 3)
+    for params in ranks(2).run(check_checkpointed, reentrant, timeout=TIMEOUT):
         assert _diff(params, expected) < 1e-5
 
 

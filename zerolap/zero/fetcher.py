@@ -389,7 +389,11 @@ class ParamFetcher:
 
     def _post_forward(self, units: list[int]):
         def hook(module, args, output):
-            self._let_go(self._unwind(module))
+            # A forward run inside a backward is activation checkpointing's recompute: what it
+            # saves for the backward now running reads the units' memory, so they stay
+            # gathered until their gradients arrive (as units gathered for a backward do).
+            recompute = torch._C._current_graph_task_id() != -1
+            self._let_go(self._unwind(module, release=not recompute), release=not recompute)
             if torch.is_grad_enabled():
                 needs_grad = [
                     t
@@ -403,7 +407,7 @@ class ParamFetcher:
 
         return hook
 
-    def _unwind(self, module: torch.nn.Module) -> list[int]:
+    def _unwind(self, module: torch.nn.Module, *, release: bool = True) -> list[int]:
         """``module``'s forward ended: its entry leaves ``running``, with those above it,
         children whose forward raised and that it caught (a fallback path), whose holds go.
         The units it held; none when it has no entry (a forward that raised around it was
@@ -411,18 +415,18 @@ class ParamFetcher:
         for k in range(len(self.running) - 1, -1, -1):
             if self.running[k][0] is module:
                 for _, held in self.running[k + 1 :]:
-                    self._let_go(held)
+                    self._let_go(held, release=release)
                 held = self.running[k][1]
                 del self.running[k:]
                 return held
         return []
 
-    def _let_go(self, units: list[int]) -> None:
-        """Drop one hold of each of ``units``; a unit no one holds is released unless the
-        record says it is needed again soon."""
+    def _let_go(self, units: list[int], *, release: bool = True) -> None:
+        """Drop one hold of each of ``units``; a unit no one holds is released (when
+        ``release``) unless the record says it is needed again soon."""
         for unit in units:
             self.store.holds[unit] -= 1
-            if not self.store.holds[unit] and not self._keep(unit):
+            if release and not self.store.holds[unit] and not self._keep(unit):
                 self.store.release(unit)
 
     def _before_grad(self, slot: int):
