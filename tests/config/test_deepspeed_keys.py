@@ -15,7 +15,6 @@ ACCEPTED = {
     "aio": {"block_size": 1048576},
     "autotuning": {"enabled": True},
     "checkpoint": {"tag_validation": "Warn"},
-    "data_types": {"grad_accum_dtype": "fp32"},
     "hybrid_engine": {"enabled": True},
     "compile": {"deepcompile": True},
     "zero_allow_untested_optimizer": True,

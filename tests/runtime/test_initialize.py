@@ -199,3 +199,58 @@ def check_gathered_parameters_modifier_rank() -> list[float]:
 def test_gathered_parameters_broadcasts_the_modifier(ranks):
     for values in ranks(2).run(check_gathered_parameters_modifier_rank):
         assert values == [8.0] * 8
+
+
+class _Rotary(torch.nn.Module):
+    """A rotary embedding's fp32 table beside a layer, as transformers' models hold them."""
+
+    _keep_in_fp32_modules_strict = ("scale",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, 4, 2) / 4))
+        self.register_buffer("scale", torch.ones(4))
+        self.register_buffer("steps", torch.zeros(1, dtype=torch.long))
+
+    def forward(self, x):
+        return self.proj(x) * self.scale
+
+
+def bf16_dtypes(data_types: dict | None) -> dict:
+    config = dict(BASE, bf16={"enabled": True}, optimizer={"type": "SGD", "params": {"lr": 0.1}})
+    if data_types is not None:
+        config["data_types"] = data_types
+    with captured_logs() as logs:
+        engine, *_ = zerolap.initialize(model=_Rotary(), config=config)
+    module = engine.module
+    return {
+        "params": {str(p.dtype) for p in module.parameters()},
+        "buffers": {n: str(b.dtype) for n, b in module.named_buffers()},
+        "warned": [line for line in logs if "grad_accum_dtype" in line],
+    }
+
+
+def test_bf16_casts_parameters_and_keeps_buffers_as_loaded(ranks):
+    # Cast with the parameters, a rotary table's angles were off by up to 0.22 at position
+    # 512 (bf16 keeps 8 bits of mantissa).
+    plain = ranks(1).run(bf16_dtypes, None)[0]
+    assert plain["params"] == {"torch.bfloat16"}
+    assert plain["buffers"] == {
+        "inv_freq": "torch.float32",
+        "scale": "torch.float32",
+        "steps": "torch.int64",
+    }
+    # buffer_dtype casts the floating ones, but those the model keeps in fp32.
+    cast = ranks(1).run(bf16_dtypes, {"buffer_dtype": "bf16"})[0]
+    assert cast["buffers"] == {
+        "inv_freq": "torch.bfloat16",
+        "scale": "torch.float32",
+        "steps": "torch.int64",
+    }
+    listed = ranks(1).run(bf16_dtypes, {"buffer_dtype": "bf16", "keep_in_fp32_modules": ["inv*"]})
+    assert listed[0]["buffers"]["inv_freq"] == "torch.float32"
+    assert listed[0]["buffers"]["scale"] == "torch.bfloat16"
+    accumulated = ranks(1).run(bf16_dtypes, {"grad_accum_dtype": "bf16"})[0]
+    assert len(accumulated["warned"]) == 1
+    assert "data_types.grad_accum_dtype: 'bf16' is not implemented" in accumulated["warned"][0]

@@ -76,8 +76,6 @@ class DeepSpeedKeys(ConfigSection):
     """DeepSpeed's Nebula asynchronous checkpointing."""
     datastates: Annotated[Block, DeepSpeedOnly()] = None
     """DeepSpeed's DataStates asynchronous checkpointing."""
-    data_types: Annotated[Block, DeepSpeedOnly()] = None
-    """DeepSpeed's gradient-accumulation and parameter dtypes."""
     sparse_attention: Annotated[Block, DeepSpeedOnly()] = None
     """DeepSpeed's sparse attention kernels (used through its own modules)."""
     hybrid_engine: Annotated[Block, DeepSpeedOnly()] = None

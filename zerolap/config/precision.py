@@ -15,7 +15,14 @@ from pydantic import AliasChoices, BeforeValidator, Field
 from zerolap.config.errors import Problem
 from zerolap.config.section import ConfigSection, DeepSpeedOnly, is_true
 
-__all__ = ["BF16Config", "DTypeName", "FP16Config", "TorchAutocastConfig", "torch_dtype"]
+__all__ = [
+    "BF16Config",
+    "DTypeName",
+    "DataTypesConfig",
+    "FP16Config",
+    "TorchAutocastConfig",
+    "torch_dtype",
+]
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 _SPELLINGS = {
@@ -54,6 +61,34 @@ normalised to it."""
 def torch_dtype(name: str | None) -> torch.dtype | None:
     """The torch dtype of a ``DTypeName`` value."""
     return None if name is None else _DTYPES[name]
+
+
+class DataTypesConfig(ConfigSection):
+    """The ``data_types`` section: the dtypes of what is not a parameter."""
+
+    grad_accum_dtype: DTypeName = None
+    """The dtype gradients accumulate in between steps. zerolap accumulates 16-bit training's
+    gradients in fp32 (as DeepSpeed does with ``fp32`` here); ``bf16`` or ``fp16`` is not
+    implemented, and is said once at start (results are those of ``fp32``)."""
+    buffer_dtype: DTypeName = None
+    """The dtype floating-point buffers are cast to with fp16 or bf16; null (the default, as
+    in DeepSpeed 0.19.8) keeps them as loaded, so a rotary embedding's ``inv_freq`` stays fp32
+    while the parameters are cast."""
+    keep_in_fp32_modules: list[str] | Literal["auto"] | None = None
+    """Buffers kept in fp32 when ``buffer_dtype`` casts the others: name patterns (``*`` any
+    run of characters, searched in the buffer's name), or null / ``"auto"`` for the model's
+    own ``_keep_in_fp32_modules_strict`` (and ``_keep_in_fp32_modules`` under fp16), as
+    transformers declares them."""
+
+    def _advise(self) -> list[Problem]:
+        if self.grad_accum_dtype in (None, "fp32"):
+            return []
+        return [
+            Problem(
+                ("grad_accum_dtype",),
+                f"{self.grad_accum_dtype!r} is not implemented: gradients accumulate in fp32",
+            )
+        ]
 
 
 class FP16Config(ConfigSection):

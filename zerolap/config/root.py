@@ -28,6 +28,7 @@ from zerolap.config.optimizer import OptimizerConfig
 from zerolap.config.pipeline import PipelineConfig
 from zerolap.config.precision import (
     BF16Config,
+    DataTypesConfig,
     DTypeName,
     FP16Config,
     TorchAutocastConfig,
@@ -90,6 +91,8 @@ class ZerolapConfig(DeepSpeedKeys):
         default_factory=BF16Config, validation_alias=AliasChoices("bf16", "bfloat16")
     )
     """bf16 mixed precision (also spelt ``bfloat16``)."""
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    """The dtypes of buffers and of gradient accumulation."""
     torch_autocast: TorchAutocastConfig = Field(default_factory=TorchAutocastConfig)
     """``torch.autocast`` around the engine's forward (bf16)."""
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)

@@ -26,8 +26,10 @@ import zerolap.comm as dist
 from zerolap import checkpointing
 from zerolap.accelerator import get_accelerator
 from zerolap.config import ConfigError, ZerolapConfig
+from zerolap.config.precision import torch_dtype
 from zerolap.moe.utils import check_expert_params
 from zerolap.offload import plan_offload
+from zerolap.runtime.buffer_dtypes import fp32_buffers
 from zerolap.runtime.inputs import check_same_inputs
 from zerolap.runtime.loss_scaler import build_loss_scaler
 from zerolap.runtime.memory import MemoryBreakdown, measure_memory
@@ -297,10 +299,24 @@ class ZerolapEngine(torch.nn.Module):
                 param.ds_owner.unshard(param)
 
     def _place_module(self) -> None:
-        """The model on the engine's device, in the training dtype (DeepSpeed moves it too)."""
+        """The model on the engine's device, its floating-point parameters in the training
+        dtype (DeepSpeed moves and casts it too). Buffers keep their dtype unless
+        ``data_types.buffer_dtype`` says otherwise: a rotary embedding's ``inv_freq`` cast to
+        bf16 would shift every position's angle (DeepSpeed 0.19.8 keeps them too)."""
         dtype = _DTYPES[self._config.precision]
         if dtype != torch.float32:
-            self.module.to(dtype)
+            for param in self.module.parameters():
+                if param.is_floating_point() and param.dtype != dtype:
+                    param.data = param.data.to(dtype)
+            buffer_dtype = torch_dtype(self._config.data_types.buffer_dtype)
+            if buffer_dtype is not None:
+                kept = fp32_buffers(
+                    self.module, self._config.data_types.keep_in_fp32_modules, dtype
+                )
+                for name, buffer in self.module.named_buffers():
+                    target = torch.float32 if name in kept else buffer_dtype
+                    if buffer.is_floating_point() and buffer.dtype != target:
+                        buffer.data = buffer.data.to(target)
         self.module.to(self.device)
 
     def _check_one_dtype(self) -> None:
