@@ -800,7 +800,12 @@ def review_fixes():
     config["zero_optimization"]["ignore_unused_parameters"] = False
     dataset = [models.micro_batches(s, 1, 1, 0)[0] for s in range(4)]
     dataset = [(tokens[0], targets[0]) for tokens, targets in dataset]  # samples
-    engine, *_ = zerolap.initialize(model=models.pipeline(2), config=config, training_data=dataset)
+    engine, _, loader, _ = zerolap.initialize(
+        model=models.pipeline(2), config=config, training_data=dataset
+    )
+    # In order, and starting over at the end, as DeepSpeed's pipeline engine reads it.
+    assert isinstance(loader, zerolap.RepeatingLoader)
+    assert list(loader.loader.sampler) == [0, 1, 2, 3]
     losses = [engine.train_batch().item() for _ in range(3)]
     full = models.micro_batches(0, 2, 1, 0)
     short = [(t[:1], y[:1]) for t, y in full]

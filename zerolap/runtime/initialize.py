@@ -147,11 +147,14 @@ def _scheduler_factory(lr_scheduler, cfg):
     return make
 
 
-def _dataloader(training_data, cfg, collate_fn, group):
+def _dataloader(training_data, cfg, collate_fn, group, *, shuffle: bool = True):
     if training_data is None:
         return None
     sampler = torch.utils.data.distributed.DistributedSampler(
-        training_data, num_replicas=dist.get_world_size(group), rank=dist.get_rank(group)
+        training_data,
+        num_replicas=dist.get_world_size(group),
+        rank=dist.get_rank(group),
+        shuffle=shuffle,
     )
     return torch.utils.data.DataLoader(
         training_data,
@@ -301,7 +304,11 @@ def initialize(
         make_scheduler=_scheduler_factory(lr_scheduler, cfg),
         mesh=mesh,
     )
-    loader = _dataloader(training_data, cfg, collate_fn, mesh.data_group)
-    if loader is not None and isinstance(engine, PipelineEngine):
-        engine.set_dataiterator(iter(RepeatingLoader(loader)))  # train_batch() without data_iter
+    pipeline = isinstance(engine, PipelineEngine)
+    # A pipeline reads the data in order and returns a loader that starts over when it ends,
+    # as DeepSpeed's pipeline engine does (its other engines shuffle).
+    loader = _dataloader(training_data, cfg, collate_fn, mesh.data_group, shuffle=not pipeline)
+    if loader is not None and pipeline:
+        loader = RepeatingLoader(loader)
+        engine.set_dataiterator(iter(loader))  # train_batch() without data_iter
     return engine, engine.optimizer, loader, engine.lr_scheduler
