@@ -676,20 +676,28 @@ def test_pipeline_with_tensor_parallelism_equals_gradient_accumulation(ranks, st
     assert seen == set(ref_params)
 
 
-def train_checkpointed(interval: int):
-    module = models.pipeline(2, activation_checkpoint_interval=interval)
-    engine, *_ = zerolap.initialize(model=module, config=_config(1, 4))
+def train_checkpointed(interval: int, from_config: bool):
+    config = _config(1, 4)
+    if from_config:  # as DeepSpeed's pipeline engine takes them from its section
+        config["pipeline"] = {"activation_checkpoint_interval": interval, "use_reentrant": False}
+        module = models.pipeline(2)
+    else:
+        module = models.pipeline(2, activation_checkpoint_interval=interval)
+    engine, *_ = zerolap.initialize(model=module, config=config)
     for step in range(3):
         engine.train_batch(iter(models.micro_batches(step, 4, 1, 0)))
-    return {n: p.detach().clone() for n, p in module.named_parameters()}
+    used = (module.activation_checkpoint_interval, module.activation_checkpoint_func.__name__)
+    return {n: p.detach().clone() for n, p in module.named_parameters()}, used
 
 
-def test_activation_checkpointing_changes_no_result(ranks):
+@pytest.mark.parametrize("from_config", [False, True])
+def test_activation_checkpointing_changes_no_result(ranks, from_config):
     """Runs of 2 layers recomputed in backward; the first run, fed token ids that need no
     gradient, is kept (a reentrant checkpoint would leave the embedding without one)."""
     merged = {}
-    for params in ranks(2).run(train_checkpointed, 2):
+    for params, used in ranks(2).run(train_checkpointed, 2, from_config):
         merged.update(params)
+        assert used == (2, "non_reentrant_checkpoint" if from_config else "checkpoint")
     _, _, want = models.reference(3, 4, 1)
     for name, value in want.items():
         assert _relative(merged[name], value) < 1e-6, name

@@ -28,7 +28,12 @@ class PipelineConfig(ConfigSection):
     seed_layers: bool | None = None
     """When set, must equal the module's ``seed_layers``."""
     activation_checkpoint_interval: int | None = Field(None, ge=0)
-    """When set, must equal the module's ``activation_checkpoint_interval``."""
+    """Above 0, set on the module (as DeepSpeed's pipeline engine does): runs of that many
+    layers are recomputed in backward. 0 or null keeps the module's own."""
+    use_reentrant: bool | None = None
+    """``false``: the module's checkpointed runs use
+    ``zerolap.checkpointing.non_reentrant_checkpoint`` (DeepSpeed's switch to torch's
+    non-reentrant mode); ``true`` or null keep the module's ``activation_checkpoint_func``."""
     pipe_partitioned: bool = True
     """DeepSpeed splits activations across the tensor group between stages and all-gathers them
     on arrival. Either value trains identically. At tensor size 1 there is nothing to split (as

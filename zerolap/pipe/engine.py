@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 import zerolap.comm as dist
+from zerolap import checkpointing
 from zerolap.accelerator import get_accelerator
 from zerolap.config import ConfigError
 from zerolap.pipe.module import PipelineModule
@@ -73,15 +74,20 @@ def check_pipeline_config(config, model, mpu) -> None:
             f"pipeline.partition={section.partition!r} (the module's partition_method is "
             f"{model.partition_method!r})"
         )
-    for key in ("seed_layers", "activation_checkpoint_interval"):
-        value = getattr(section, key)
-        if value is not None and value != getattr(model, key):
-            problems.append(f"pipeline.{key}={value} (the module has {getattr(model, key)})")
+    if section.seed_layers is not None and section.seed_layers != model.seed_layers:
+        problems.append(
+            f"pipeline.seed_layers={section.seed_layers} (the module has {model.seed_layers})"
+        )
     if problems:
         raise ConfigError(
             "the ds_config's pipeline section contradicts the PipelineModule: "
             + "; ".join(problems)
         )
+    # What DeepSpeed's pipeline engine sets on the module from its section.
+    if section.activation_checkpoint_interval:
+        model.activation_checkpoint_interval = section.activation_checkpoint_interval
+    if section.use_reentrant is False:
+        model.activation_checkpoint_func = checkpointing.non_reentrant_checkpoint
     if section.schedule == "zb-h1" and model.virtual_stages > 1:
         raise ConfigError(
             f"pipeline.schedule=zb-h1 with virtual_stages={model.virtual_stages}: ZB-H1 runs "
