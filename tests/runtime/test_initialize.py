@@ -148,6 +148,10 @@ def check_optimizer_and_scheduler_sources() -> None:
         lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda step: 0.5),
     )
     assert isinstance(opt.inner, torch.optim.Adam) and engine.get_lr() == [0.005]
+    assert engine.get_mom() == [(0.9, 0.999)]  # DeepSpeed's name: Adam's betas
+    sgd = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.8}}
+    engine, *_ = zerolap.initialize(model=_model(), config=dict(BASE, optimizer=sgd))
+    assert engine.get_mom() == [0.8]
 
 
 def test_optimizer_and_scheduler_sources(ranks):

@@ -899,6 +899,14 @@ class ZerolapEngine(torch.nn.Module):
         self._require_optimizer("get_lr")
         return [group["lr"] for group in self.optimizer.param_groups]
 
+    def get_mom(self) -> list:
+        """Each parameter group's momentum as DeepSpeed reports it: ``momentum`` for SGD and
+        RMSprop, ``betas`` for the others (0.0 for a group without the key)."""
+        self._require_optimizer("get_mom")
+        name = (self.optimizer_name() or "").lower()
+        key = "momentum" if name in ("sgd", "rmsprop") else "betas"
+        return [group.get(key, 0.0) for group in self.optimizer.param_groups]
+
     def get_global_grad_norm(self) -> float | None:
         return None if self.optimizer is None else self.optimizer.last_norm
 
