@@ -96,6 +96,12 @@ class _AliasLoader(importlib.abc.Loader):
         # Creating the module stamped the alias's spec on it; the module keeps its own.
         module.__spec__ = self._own_spec
 
+    def get_code(self, fullname: str):
+        """The zerolap module's code, for ``python -m deepspeed.X`` (runpy runs it as
+        ``__main__``)."""
+        spec = importlib.util.find_spec(self.target)
+        return spec.loader.get_code(self.target)
+
 
 class _AliasFinder(importlib.abc.MetaPathFinder):
     def __init__(self, package: str) -> None:
@@ -112,7 +118,9 @@ class _AliasFinder(importlib.abc.MetaPathFinder):
                 f"provides {', '.join(f'{prefix}{name}' for name in sorted(MODULES))}",
                 name=fullname,
             )
-        return importlib.util.spec_from_loader(fullname, _AliasLoader(zerolap_name))
+        # The zerolap file as the origin: ``python -m deepspeed.X`` puts it in ``sys.argv[0]``.
+        origin = importlib.util.find_spec(zerolap_name).origin
+        return importlib.util.spec_from_loader(fullname, _AliasLoader(zerolap_name), origin=origin)
 
 
 def link(root: ModuleType) -> None:

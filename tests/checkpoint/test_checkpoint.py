@@ -487,6 +487,25 @@ def test_cli_consolidate(ranks, tmp_path):
         [*cli, str(tmp_path), str(out)], capture_output=True, text=True, timeout=120
     )
     assert bad.returncode == 2 and "not a checkpoint directory: no 'latest' file" in bad.stderr
+    # DeepSpeed's recovery script in the checkpoint folder, and the module it runs, as the
+    # messages of transformers and Accelerate tell users to run them.
+    for command in (
+        [sys.executable, str(tmp_path / "ckpt" / "zero_to_fp32.py")],
+        [sys.executable, "-m", "zerolap.utils.zero_to_fp32"],
+    ):
+        written = tmp_path / f"fp32-{len(command)}"
+        done = subprocess.run(
+            [*command, str(tmp_path / "ckpt"), str(written), "--safe_serialization"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr
+        from safetensors.torch import load_file
+
+        plain = Net()
+        plain.load_state_dict(load_file(written / "model.safetensors"), strict=True)
+        assert all(torch.equal(a, b) for a, b in zip(plain.parameters(), live, strict=True))
 
 
 def resave_killed_between_renames(path: str) -> list:
@@ -580,7 +599,8 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_keeps_the_last_one(
             f"checkpoint 'bad' not saved: rank {full_rank}: no space left on the device of "
         ), message
         assert f"bad.partial writing {shard}: about " in message
-        assert leftovers == ["good", "latest"]  # no partial folder, the good one published
+        # No partial folder: the good one published, with the weights' recovery script.
+        assert leftovers == ["good", "latest", "zero_to_fp32.py"]
         assert same
 
 

@@ -86,6 +86,18 @@ def test_report_names_the_active_deepspeed(deepspeed):
     assert "deepspeed import" in out and "zerolap's shim 0.19.8+zerolap" in out
 
 
+def test_deepspeed_modules_run_as_scripts(deepspeed):
+    # runpy asks the alias's loader for the code (it had no get_code: an AttributeError).
+    done = subprocess.run(
+        [sys.executable, "-m", "deepspeed.utils.zero_to_fp32", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "checkpoint_dir" in done.stdout and "--safe_serialization" in done.stdout
+
+
 def _fake_environment(root: Path, version: str) -> Path:
     """A virtual environment (no pip) whose site-packages holds a ``deepspeed`` dist-info."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)

@@ -56,6 +56,17 @@ __all__ = [
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 LATEST = "latest"
+RECOVERY_SCRIPT = "zero_to_fp32.py"
+_RECOVERY_TEXT = '''#!/usr/bin/env python
+"""The fp32 weights of the checkpoints in this folder, as DeepSpeed's zero_to_fp32.py:
+python zero_to_fp32.py . output_dir [--safe_serialization] [--max_shard_size 5GB] [-t TAG]
+(written by zerolap; needs zerolap installed)."""
+
+from zerolap.utils.zero_to_fp32 import main
+
+if __name__ == "__main__":
+    main()
+'''
 CHECKSUMS = "checksums.json"
 
 
@@ -216,6 +227,11 @@ def publish(save_dir: Path, tag: str, *, save_latest: bool) -> None:
     shutil.rmtree(old, ignore_errors=True)  # also what an interrupted re-save left aside
     if save_latest:
         _write_text(save_dir / LATEST, tag)
+    # The weights' recovery script beside the tags, where DeepSpeed leaves its own and where
+    # transformers and Accelerate tell users to run it.
+    script = save_dir / RECOVERY_SCRIPT
+    _write_text(script, _RECOVERY_TEXT)
+    script.chmod(0o755)
 
 
 def _find_tag(load_dir: Path, tag: str) -> Path | None:

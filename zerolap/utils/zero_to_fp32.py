@@ -5,10 +5,15 @@ files: one fp32 state dict, loadable into the plain model, written as ``pytorch_
 (or ``model.safetensors``), split into ``pytorch_model-00001-of-0000N.bin`` shards with a
 ``pytorch_model.bin.index.json`` (``{"metadata": {"total_size"}, "weight_map"}``, the Hugging
 Face layout) when it exceeds ``max_shard_size``.
+
+Run as a script with DeepSpeed's arguments (``python -m deepspeed.utils.zero_to_fp32
+checkpoint_dir output_dir [--safe_serialization] [--max_shard_size 5GB] [-t TAG]
+[--exclude_frozen_parameters]``), as is the ``zero_to_fp32.py`` every checkpoint folder holds.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -22,6 +27,7 @@ __all__ = [
     "convert_zero_checkpoint_to_fp32_state_dict",
     "get_fp32_state_dict_from_zero_checkpoint",
     "load_state_dict_from_zero_checkpoint",
+    "main",
 ]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
@@ -113,3 +119,30 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir,
     model = model.cpu()
     model.load_state_dict(state_dict, strict=False)
     return model
+
+
+def main(argv: list[str] | None = None) -> None:
+    """DeepSpeed's ``zero_to_fp32.py`` command line."""
+    parser = argparse.ArgumentParser(
+        description="Write the fp32 state dict of a ZeRO checkpoint (zerolap's or DeepSpeed's)"
+    )
+    parser.add_argument("checkpoint_dir", help="the folder holding 'latest' and the tag folders")
+    parser.add_argument("output_dir", help="where the fp32 state dict files go")
+    parser.add_argument("--max_shard_size", default="5GB", help="per file, e.g. 5GB or 500MB")
+    parser.add_argument("--safe_serialization", action="store_true", help="write safetensors")
+    parser.add_argument("-t", "--tag", default=None, help="default: the one named in 'latest'")
+    parser.add_argument("--exclude_frozen_parameters", action="store_true")
+    parser.add_argument("-d", "--debug", action="store_true", help="accepted, as DeepSpeed's")
+    args = parser.parse_args(argv)
+    convert_zero_checkpoint_to_fp32_state_dict(
+        args.checkpoint_dir,
+        args.output_dir,
+        max_shard_size=args.max_shard_size,
+        safe_serialization=args.safe_serialization,
+        tag=args.tag,
+        exclude_frozen_parameters=args.exclude_frozen_parameters,
+    )
+
+
+if __name__ == "__main__":
+    main()
