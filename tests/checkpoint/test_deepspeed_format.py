@@ -100,3 +100,16 @@ def test_zero_to_fp32_rebuilds_deepspeeds_weights(case):
     plain.load_state_dict(state, strict=True)  # tied head, frozen parameter and buffer too
     for name, value in _expected(case)["saved_params"].items():
         assert torch.equal(state[name], value), name
+
+
+def test_deepspeeds_pipeline_layout_is_named_not_misread(tmp_path):
+    # DeepSpeed's pipeline engine saves its weights per layer and ``module: None`` in the
+    # model states; reading those as a plain engine's failed on the None.
+    from zerolap.checkpoint import CheckpointError
+    from zerolap.checkpoint.deepspeed_format import read_deepspeed
+
+    torch.save({"module": None, "ds_version": "0.19.8"}, tmp_path / "mp_rank_00_model_states.pt")
+    for layer in range(3):
+        torch.save({"weight": torch.zeros(2)}, tmp_path / f"layer_{layer:02d}-model_states.pt")
+    with pytest.raises(CheckpointError, match="is a DeepSpeed pipeline checkpoint"):
+        read_deepspeed(tmp_path)

@@ -249,6 +249,16 @@ def _loss_scaler(optims: list[dict]) -> dict | None:
 
 def read_deepspeed(folder: Path, client_groups=None) -> tuple[dict, list[dict]]:
     """The DeepSpeed checkpoint in ``folder`` as zerolap's (model states, [shard])."""
+    layers = sorted(folder.glob("layer_*-model_states.pt"))
+    if layers:
+        # DeepSpeed's pipeline engine keeps the weights in one file per layer (its model
+        # states hold ``module: None``) and the optimizer per stage: not read here.
+        raise CheckpointError(
+            f"{folder} is a DeepSpeed pipeline checkpoint ({layers[0].name} and "
+            f"{len(layers) - 1} more layer files): zerolap loads DeepSpeed's checkpoints of "
+            "engines without a pipeline, and its own pipeline checkpoints, not DeepSpeed's "
+            "pipeline layout"
+        )
     zero3_models = _by_rank(folder, ZERO3_MODEL_GLOB)
     model_paths = zero3_models or [folder / MODEL_FILE]
     models = [_load(path) for path in model_paths]
