@@ -13,6 +13,7 @@ import zerolap
 import zerolap.comm as dist
 from tests.logs import captured_logs
 from zerolap.config import ConfigError
+from zerolap.config.root import parse_config
 
 
 def _model() -> torch.nn.Module:
@@ -255,6 +256,8 @@ def test_bf16_casts_parameters_and_keeps_buffers_as_loaded(ranks):
     listed = ranks(1).run(bf16_dtypes, {"buffer_dtype": "bf16", "keep_in_fp32_modules": ["inv*"]})
     assert listed[0]["buffers"]["inv_freq"] == "torch.float32"
     assert listed[0]["buffers"]["scale"] == "torch.bfloat16"
+    with pytest.raises(ConfigError, match=r"data_types\.param_dtype: 'fp16', but the parameters"):
+        parse_config(dict(BASE, bf16={"enabled": True}, data_types={"param_dtype": "fp16"}))
     accumulated = ranks(1).run(bf16_dtypes, {"grad_accum_dtype": "bf16"})[0]
     assert len(accumulated["warned"]) == 1
     assert "data_types.grad_accum_dtype: 'bf16' is not implemented" in accumulated["warned"][0]

@@ -408,12 +408,17 @@ def fused_head() -> FusedHead:
     return FusedHead()
 
 
-def check_fused_head() -> list[torch.Tensor]:
+def check_fused_head() -> tuple[list[torch.Tensor], tuple]:
     model = fused_head()
     engine, *_ = zerolap.initialize(model=model, config=_config())
     for step in range(3):
         _train_step(engine, step)
-    return _whole(model.parameters())
+    params = _whole(model.parameters())
+    # A gradient taken, not accumulated: the weight is back to its empty placeholder after.
+    x, y = _batch(3)
+    loss = torch.nn.functional.mse_loss(engine(_mine(x)), _mine(y))
+    torch.autograd.grad(loss, [model.head.weight])
+    return params, tuple(model.head.weight.shape)
 
 
 def test_a_weight_its_user_gathers_in_backward_takes_its_gradient(ranks):
@@ -421,8 +426,9 @@ def test_a_weight_its_user_gathers_in_backward_takes_its_gradient(ranks):
     # released the weight: torch shaped its copy after the released (empty) parameter and
     # failed ("The size of tensor a (0) must match the size of tensor b (16)").
     expected = _reference(fused_head, 3)
-    for params in ranks(2).run(check_fused_head, timeout=TIMEOUT):
+    for params, shape_after_grad in ranks(2).run(check_fused_head, timeout=TIMEOUT):
         assert _diff(params, expected) < 1e-5
+        assert shape_after_grad == (0,)
 
 
 # -- torch's non-reentrant activation checkpointing (transformers' default) --------------------

@@ -50,6 +50,7 @@ EXIT_RELEASE_S = 30.0
 
 _local_rank = 0
 _release_pid: int | None = None  # the process whose group init_distributed created
+_released_group: int | None = None  # id() of that group (not a reference: it may be destroyed)
 _release_registered = False
 
 
@@ -77,7 +78,7 @@ def init_distributed(
     ``auto_mpi_discovery`` and ``dist_init_required`` exist for DeepSpeed's signature; discovery
     of Open MPI is always on and initialisation happens whenever it has not yet.
     """
-    global _local_rank, _release_pid, _release_registered
+    global _local_rank, _release_pid, _release_registered, _released_group
     if config is not None and "comms_logger" in config:
         from zerolap.comm.logger import configure
 
@@ -129,6 +130,7 @@ def init_distributed(
         atexit.register(_release_at_exit)
         _release_registered = True
     _release_pid = os.getpid()
+    _released_group = id(torch_dist.group.WORLD)
     watchdog.start(launch.rank, launch.world_size, timeout.total_seconds())
     if verbose and launch.rank == 0:
         logger.info(
@@ -144,6 +146,7 @@ def _release_at_exit() -> None:
     if (
         os.getpid() != _release_pid
         or not torch_dist.is_initialized()
+        or id(torch_dist.group.WORLD) != _released_group  # since replaced by the user's
         or getattr(sys, "last_value", None) is not None
     ):
         return

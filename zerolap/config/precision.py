@@ -66,6 +66,9 @@ def torch_dtype(name: str | None) -> torch.dtype | None:
 class DataTypesConfig(ConfigSection):
     """The ``data_types`` section: the dtypes of what is not a parameter."""
 
+    param_dtype: DTypeName = None
+    """The parameters' dtype: must be that of the enabled fp16 or bf16 section (fp32 with
+    neither), as DeepSpeed checks."""
     grad_accum_dtype: DTypeName = None
     """The dtype gradients accumulate in between steps. zerolap accumulates 16-bit training's
     gradients in fp32 (as DeepSpeed does with ``fp32`` here); ``bf16`` or ``fp16`` is not

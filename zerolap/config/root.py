@@ -153,6 +153,12 @@ class ZerolapConfig(DeepSpeedKeys):
         if self.fp16.enabled and self.bf16.enabled:
             message = "fp16 and bf16 cannot both be enabled; choose one"
             problems.append(Problem(("fp16.enabled", "bf16.enabled"), message))
+        elif self.data_types.param_dtype not in (None, self.precision):
+            message = (
+                f"{self.data_types.param_dtype!r}, but the parameters train in "
+                f"{self.precision!r} (set by the fp16 and bf16 sections)"
+            )
+            problems.append(Problem(("data_types.param_dtype",), message))
         if not self.zero_optimization.compute_grad_norm and self.gradient_clipping > 0:
             message = "clipping needs the gradient norm; set gradient_clipping to 0 or this true"
             problems.append(

@@ -86,12 +86,13 @@ class SwapError(RuntimeError):
 def set_up_on_every_rank(build: Callable[[], T], agree: Callable[[float], float], rank: int) -> T:
     """``build()`` (which creates this rank's swap files), then the ranks agree on whether it
     worked everywhere: ``agree(x)`` is the maximum of ``x`` over the ranks. A disk full on one
-    rank (its own ``nvme_path``) then stops every rank at once, with an error naming that rank,
-    instead of the others going on into collectives the failed rank never joins."""
+    rank (its own ``nvme_path``), or any other error there, then stops every rank at once, with
+    an error naming that rank, instead of the others going on into collectives the failed rank
+    never joins."""
     failure = None
     try:
         built = build()
-    except SwapError as err:
+    except Exception as err:  # a full disk, a bad buffer_count, memory: whatever stops one rank
         failure, built = err, None
     failed = agree(rank + 1.0 if failure is not None else 0.0)
     if failure is not None:

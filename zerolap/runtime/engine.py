@@ -314,8 +314,13 @@ class ZerolapEngine(torch.nn.Module):
                     self.module, self._config.data_types.keep_in_fp32_modules, dtype
                 )
                 for name, buffer in self.module.named_buffers():
-                    target = torch.float32 if name in kept else buffer_dtype
-                    if buffer.is_floating_point() and buffer.dtype != target:
+                    if not buffer.is_floating_point():
+                        continue
+                    target = buffer_dtype
+                    if name in kept:  # raised to fp32 if it came lower, else left as it is
+                        low = buffer.dtype in (torch.float16, torch.bfloat16)
+                        target = torch.float32 if low else buffer.dtype
+                    if buffer.dtype != target:
                         buffer.data = buffer.data.to(target)
         self.module.to(self.device)
 

@@ -392,7 +392,7 @@ class ParamFetcher:
             # A forward run inside a backward is activation checkpointing's recompute: what it
             # saves for the backward now running reads the units' memory, so they stay
             # gathered until their gradients arrive (as units gathered for a backward do).
-            recompute = torch._C._current_graph_task_id() != -1
+            recompute = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
             self._let_go(self._unwind(module, release=not recompute), release=not recompute)
             if torch.is_grad_enabled():
                 needs_grad = [
@@ -431,7 +431,11 @@ class ParamFetcher:
 
     def _before_grad(self, slot: int):
         def hook(grad: torch.Tensor) -> None:
-            self.store.stand_in(slot)
+            if self.store.stand_in(slot):
+                # Gone when this backward ends, whatever happened in between (an
+                # ``autograd.grad`` takes the gradient without accumulating it).
+                engine = torch.autograd.Variable._execution_engine
+                engine.queue_callback(lambda: self.store.drop_stand_in(slot))
 
         return hook
 

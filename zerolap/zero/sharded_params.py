@@ -146,6 +146,7 @@ class ShardedParams:
         self.pins = [0] * len(layout.buckets)
         self.unit_of = {id(p): layout.slots[i].bucket for i, p in enumerate(params)}
         self.after_write_back: list[Callable[[], None]] = []  # e.g. reload the fp32 master
+        self._standing: set[int] = set()  # slots showing their full shape (``stand_in``)
         self.fetcher = None  # the ParamFetcher that gathers these units, once one is built
         for bucket in layout.buckets:
             self._adopt(bucket.index, src_rank)
@@ -321,24 +322,34 @@ class ShardedParams:
         self._pool.drain(self.full[unit].untyped_storage())
         self._set_status(unit, ParamStatus.SHARDED)
 
-    def stand_in(self, slot: int) -> None:
+    def stand_in(self, slot: int) -> bool:
         """Autograd is about to accumulate a gradient into parameter ``slot`` while its unit
         is released: a gradient computed while the parameter was gathered by its user, as a
         custom autograd Function does that gathers the weight it reads itself, in forward and
         again in backward, with ``GatheredParameters`` (TRL's fused LM head). torch shapes the
         gradient it keeps after the parameter, so the parameter shows its full shape for the
         while, over one element of memory; ``drop_stand_in`` ends it once the gradient has
-        been taken."""
-        if self.status[self.layout.slots[slot].bucket] == ParamStatus.SHARDED:
-            param = self.params[slot]
-            one = torch.empty((), dtype=self.dtype, device=self.device)
-            param.data = one.expand(param.ds_shape)
+        been taken. Whether it stands in now."""
+        if self.status[self.layout.slots[slot].bucket] != ParamStatus.SHARDED:
+            return False
+        param = self.params[slot]
+        one = torch.empty((), dtype=self.dtype, device=self.device)
+        param.data = one.expand(param.ds_shape)
+        self._standing.add(slot)
+        return True
 
     def drop_stand_in(self, slot: int) -> None:
-        param = self.params[slot]
-        released = self.status[self.layout.slots[slot].bucket] == ParamStatus.SHARDED
-        if released and param.shape != (0,):
-            param.data = torch.empty(0, dtype=self.dtype, device=self.device)
+        if slot in self._standing:
+            self._standing.discard(slot)
+            if self.status[self.layout.slots[slot].bucket] == ParamStatus.SHARDED:
+                param = self.params[slot]
+                param.data = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    def drop_stand_ins(self) -> None:
+        """Every stand-in still up: a gradient that never reached its accumulation (an
+        ``autograd.grad`` of the weight, a hook that raised) leaves one."""
+        for slot in list(self._standing):
+            self.drop_stand_in(slot)
 
     def in_use(self, unit: int) -> bool:
         return bool(self.holds[unit] or self.pins[unit])
@@ -348,6 +359,7 @@ class ShardedParams:
         for unit in range(len(self.full)):
             if unit not in keep:
                 self.release(unit)
+        self.drop_stand_ins()
 
     def release_orphaned(self) -> None:
         """The engine was dropped without ``destroy()`` (``runtime.release``): no module's
