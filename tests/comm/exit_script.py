@@ -32,11 +32,14 @@ if mode == "in_flight":
         for _ in range(4)
     ]
 elif mode == "unmatched":
-    # Rank 0 starts an all-reduce rank 1 never joins, and ends while rank 1 is still busy.
+    # Rank 0 starts an all-reduce rank 1 never joins, and ends while rank 1 is still busy
+    # (until the test, having seen rank 0 leave, says go; a minute at most).
     if rank == 0:
         handle = dist.all_reduce(torch.ones(4), async_op=True)
     else:
-        time.sleep(20)
+        deadline = time.monotonic() + 60
+        while not os.path.exists(f"{out_file}.go") and time.monotonic() < deadline:
+            time.sleep(0.1)
 elif mode == "raises":
     handles = [dist.all_reduce(torch.ones(4), async_op=True)]
     raise ValueError("the script failed")

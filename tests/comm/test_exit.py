@@ -49,6 +49,8 @@ def _run_two_ranks(tmp_path, mode: str) -> list[dict]:
             for p in procs:
                 p.kill()
             raise
+        finally:
+            (tmp_path / "seen.go").touch()  # rank 0 has left: the busy rank 1 may end
         seen = tmp_path / f"seen.{len(results)}"
         results.append(
             {
@@ -71,8 +73,9 @@ def test_ops_left_in_flight_at_exit_end_cleanly(tmp_path):
 
 def test_a_peer_that_never_joins_does_not_hold_the_exit(tmp_path):
     first, second = _run_two_ranks(tmp_path, "unmatched")
-    # Rank 0 gives up on its op after EXIT_RELEASE_S (3 s here), not when rank 1 leaves (20 s).
-    assert first["took"] < 16, first
+    # Rank 0 gives up on its op after EXIT_RELEASE_S (3 s here); without the bound it waited
+    # for rank 1, which waits for rank 0 to leave (until the 120 s kill).
+    assert first["took"] < 30, first
     assert "exiting without destroying it" in first["err"]
     assert second["code"] == 0 and second["seen"] == "released", second["err"][-2000:]
 
