@@ -13,6 +13,7 @@ import torch
 
 import zerolap
 import zerolap.comm as dist
+from tests.checkpoint.deepspeed_0_19_8 import pipe_model
 from tests.checkpoint.deepspeed_0_19_8.model import (
     CASES,
     MICRO,
@@ -102,14 +103,153 @@ def test_zero_to_fp32_rebuilds_deepspeeds_weights(case):
         assert torch.equal(state[name], value), name
 
 
-def test_deepspeeds_pipeline_layout_is_named_not_misread(tmp_path):
-    # DeepSpeed's pipeline engine saves its weights per layer and ``module: None`` in the
-    # model states; reading those as a plain engine's failed on the None.
+def resume_pipeline(case: str, stages: int, zero_stage: int, folder=None, **load) -> dict:
+    """Load pipeline ``case`` (from ``folder`` if given) as ``stages`` stages over this job's
+    ranks and train the next batch on the micro-batches the DeepSpeed run used (each
+    data-parallel rank now takes those of the saved ranks it stands for). A CheckpointError
+    comes back as its message."""
+    import zerolap.pipe as pipe
+    from zerolap.checkpoint import CheckpointError
+
+    _, _, saved_dp, client = pipe_model.CASES[case]
+    dp = dist.get_world_size() // stages
+    model = pipe_model.build_model(pipe, stages)
+    config = pipe_model.ds_config(zero_stage, saved_dp, client)
+    config["gradient_accumulation_steps"] = pipe_model.MICRO_BATCHES * saved_dp // dp
+    engine, *_ = zerolap.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        optimizer=pipe_model.client_optimizer(model) if client else None,
+        config=config,
+    )
+    try:
+        _, client_state = engine.load_checkpoint(str(folder or HERE / case / "ckpt"), **load)
+    except CheckpointError as err:
+        return {"error": str(err)}
+    steps_loaded = engine.global_steps
+    per = saved_dp // dp
+    first = engine.grid.get_data_parallel_rank() * per
+    data = [
+        pipe_model.micro_batch(STEPS + 1, m, d)
+        for d in range(first, first + per)
+        for m in range(pipe_model.MICRO_BATCHES)
+    ]
+    loss = engine.train_batch(iter(data)).item()
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(
+        every, {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    )
+    params = {n: v for found in every for n, v in found.items()}
+    return {
+        "loss": loss,
+        "params": params,
+        "client_state": client_state,
+        "steps": (steps_loaded, engine.global_steps),
+    }
+
+
+def _check_pipeline(result: dict, case: str) -> None:
+    want = torch.load(HERE / case / "expected.pt", weights_only=True)
+    assert abs(result["loss"] - want["next_loss"]) < 1e-5
+    assert set(result["params"]) == set(want["params_after"])
+    for name, value in want["params_after"].items():
+        assert (result["params"][name] - value).abs().max().item() < 1e-5, name
+    assert result["client_state"]["client_key"] == 7
+    assert result["steps"] == (STEPS, STEPS + 1)
+
+
+@pytest.mark.parametrize(
+    ("case", "world", "stages", "zero_stage"),
+    [
+        ("pipe_s0_p2", 2, 2, 0),  # as saved: each stage's optimizer named by its layers
+        ("pipe_s0_p2", 1, 1, 0),  # one process: both stages' entries, tied head once
+        ("pipe_s1_p2_d2", 4, 2, 1),  # as saved: 2 stages x 2 data-parallel, ZeRO-1
+        ("pipe_s1_p2_d2", 2, 1, 1),  # ZeRO-1 shards of both stages, into one stage on 2 ranks
+        ("pipe_s1_p2_d2", 4, 4, 0),  # 4 stages, without ZeRO
+    ],
+)
+def test_a_deepspeed_pipeline_checkpoint_resumes(ranks, case, world, stages, zero_stage):
+    for result in ranks(world).run(resume_pipeline, case, stages, zero_stage, timeout=TIMEOUT):
+        _check_pipeline(result, case)
+
+
+def _copy(case: str, tmp_path: Path) -> Path:
+    import shutil
+
+    shutil.copytree(HERE / case / "ckpt", tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def test_megatrons_layer_file_names_load(ranks, tmp_path):
+    # Megatron-DeepSpeed's topology names a model axis even of size 1.
+    ckpt = _copy("pipe_s0_p2", tmp_path)
+    for path in (ckpt / "global_step3").glob("layer_*"):
+        path.rename(path.with_name(path.name.replace("-model_states", "-model_00-model_states")))
+    for result in ranks(2).run(resume_pipeline, "pipe_s0_p2", 2, 0, ckpt, timeout=TIMEOUT):
+        _check_pipeline(result, "pipe_s0_p2")
+
+
+def test_a_pipeline_stage_whose_optimizer_cannot_be_named_is_refused(ranks, tmp_path):
+    # Stage 1's client had split its parameters into two groups, and this one does not: its
+    # Adam state cannot be told apart, so loading it is refused on every rank (rank 0's stage
+    # is named) rather than leaving stage 1's parameters with fresh state.
+    ckpt = _copy("pipe_s0_p2", tmp_path)
+    path = ckpt / "global_step3" / "mp_rank_01_model_states.pt"
+    states = torch.load(path, weights_only=False)
+    group = states["optimizer"]["param_groups"][0]
+    states["optimizer"]["param_groups"] = [
+        {**group, "params": group["params"][:2]},
+        {**group, "params": group["params"][2:]},
+    ]
+    torch.save(states, path)
+    results = ranks(2).run(resume_pipeline, "pipe_s0_p2", 2, 0, ckpt, timeout=TIMEOUT)
+    for result in results:
+        assert "rank 1: the optimizer entries of DeepSpeed pipeline stage(s)" in result["error"]
+        assert "'mp_rank_01'] cannot be named" in result["error"]
+        assert "4.fc.weight" in result["error"]
+    results = ranks(2).run(
+        resume_pipeline, "pipe_s0_p2", 2, 0, ckpt, load_optimizer_states=False, timeout=TIMEOUT
+    )
+    want = torch.load(HERE / "pipe_s0_p2" / "expected.pt", weights_only=True)
+    for result in results:  # the weights alone: the next loss is DeepSpeed's
+        assert abs(result["loss"] - want["next_loss"]) < 1e-5
+
+
+def test_a_pipeline_checkpoint_missing_a_stage_is_refused(tmp_path):
+    from zerolap.checkpoint import CheckpointError
+    from zerolap.checkpoint.deepspeed_format import read_deepspeed
+
+    ckpt = _copy("pipe_s1_p2_d2", tmp_path) / "global_step3"
+    (ckpt / "mp_rank_01_model_states.pt").unlink()
+    with pytest.raises(CheckpointError, match="2 stages needs mp_rank_00 to mp_rank_01"):
+        read_deepspeed(ckpt)
+    (ckpt / "mp_rank_00_model_states.pt").rename(ckpt / "mp_rank_01_model_states.pt")
+    _copy("pipe_s1_p2_d2", tmp_path / "again")
+    for path in (tmp_path / "again" / "ckpt" / "global_step3").glob("*mp_rank_00*"):
+        path.replace(ckpt / path.name)
+    (ckpt / "zero_pp_rank_1_mp_rank_01_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"stage 1 .* has 1 optimizer files for 2"):
+        read_deepspeed(ckpt)
+
+
+@pytest.mark.parametrize("case", sorted(pipe_model.CASES))
+def test_zero_to_fp32_names_a_pipeline_checkpoints_weights_by_layer(case):
+    # Without the model, nothing says layer 0 is the tied embedding.
+    state = get_fp32_state_dict_from_zero_checkpoint(HERE / case / "ckpt")
+    saved = torch.load(HERE / case / "expected.pt", weights_only=True)["saved_params"]
+    by_index = {n.replace("tied_modules.embed.", "0."): v for n, v in saved.items()}
+    assert set(state) == {*by_index, "4.scale"}
+    for name, value in by_index.items():
+        assert torch.equal(state[name], value), name
+
+
+def test_deepspeeds_pipeline_layout_with_tensor_parallel_pieces_is_named(tmp_path):
     from zerolap.checkpoint import CheckpointError
     from zerolap.checkpoint.deepspeed_format import read_deepspeed
 
     torch.save({"module": None, "ds_version": "0.19.8"}, tmp_path / "mp_rank_00_model_states.pt")
     for layer in range(3):
-        torch.save({"weight": torch.zeros(2)}, tmp_path / f"layer_{layer:02d}-model_states.pt")
-    with pytest.raises(CheckpointError, match="is a DeepSpeed pipeline checkpoint"):
+        path = tmp_path / f"layer_{layer:02d}-model_01-model_states.pt"
+        torch.save({"weight": torch.zeros(2)}, path)
+    with pytest.raises(CheckpointError, match="pipeline checkpoint with tensor parallelism"):
         read_deepspeed(tmp_path)

@@ -153,6 +153,14 @@ def check_optimizer_and_scheduler_sources() -> None:
     sgd = {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.8}}
     engine, *_ = zerolap.initialize(model=_model(), config=dict(BASE, optimizer=sgd))
     assert engine.get_mom() == [0.8]
+    # An empty group (the Trainer's "no decay" group of a LoRA model) is dropped, as DeepSpeed
+    # drops it: a scheduler made after initialize, and one DeepSpeed saved, count one group.
+    model = _model()
+    groups = [{"params": list(model.parameters())}, {"params": [], "weight_decay": 0.0}]
+    engine, opt, *_ = zerolap.initialize(
+        model=model, optimizer=torch.optim.AdamW(groups, lr=0.1), config=BASE
+    )
+    assert len(opt.param_groups) == 1 and engine.get_lr() == [0.1]
 
 
 def test_optimizer_and_scheduler_sources(ranks):

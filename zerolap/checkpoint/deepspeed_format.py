@@ -24,6 +24,17 @@ DeepSpeed's layouts, per optimizer param group (stage 3: per sub-group):
   group of its trainable parameters (``FP16_Optimizer``, bf16/fp16); the engine supplies those
   lists (``client_groups``). Without them (consolidation) the whole weights in ``module`` serve.
 
+* the pipeline engine (stages 0-1): the weights in one file per layer of the whole model
+  (``layer_XX-model_states.pt``, that layer's own state dict; a tied module is in the file of
+  each layer calling it without a ``forward_fn``), and per stage ``s`` a model-states file
+  ``mp_rank_<s>_model_states.pt`` (``module: None``) and, at stage 1, the layouts above in
+  ``zero_pp_rank_<d>_mp_rank_<s>_optim_states.pt``, named by the stage's ``param_shapes``. At
+  stage 0 nothing names a stage's optimizer entries: they follow the stage module's
+  parameters, its tied modules first, then its layers in order, so the layers each stage held
+  are found again as the cut whose parameters fit every stage's entries. A layer's entries go
+  under the name the loading model gives that layer (``PipelineModule.layer_prefixes``:
+  ``"3."``, or ``"tied_modules.embed."``), or without a model under its index.
+
 DeepSpeed's FusedAdam keeps the true step count only on the last parameter of each group at
 stage 0, so every parameter of a group takes the group's largest. The files pickle three
 DeepSpeed classes; they are read with ``weights_only`` and look-alikes registered under those
@@ -34,6 +45,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -41,7 +53,7 @@ import torch
 from zerolap.checkpoint.files import MODEL_FILE, CheckpointError
 from zerolap.checkpoint.shards import Segment
 
-__all__ = ["is_deepspeed_checkpoint", "read_deepspeed"]
+__all__ = ["LoadingModel", "is_deepspeed_checkpoint", "read_deepspeed"]
 
 ZERO3_MODEL_GLOB = "zero_pp_rank_*_mp_rank_00_model_states.pt"
 OPTIM_GLOB = "*zero_pp_rank_*_mp_rank_00_optim_states.pt"  # "bf16_" prefixed under bf16
@@ -247,34 +259,34 @@ def _loss_scaler(optims: list[dict]) -> dict | None:
     return state if len(state) > 1 or state["cur_scale"] != 1.0 else None
 
 
-def read_deepspeed(folder: Path, client_groups=None) -> tuple[dict, list[dict]]:
-    """The DeepSpeed checkpoint in ``folder`` as zerolap's (model states, [shard])."""
-    layers = sorted(folder.glob("layer_*-model_states.pt"))
+def read_deepspeed(folder: Path, loading: LoadingModel | None = None) -> tuple[dict, list[dict]]:
+    """The DeepSpeed checkpoint in ``folder`` as zerolap's (model states, [shard]), named with
+    what the ``loading`` engine knows. Optimizer entries that cannot be named are left out and
+    listed under ``unnamed`` (pipeline stages), for ``load_checkpoint`` to refuse if it needs
+    them."""
+    loading = loading or LoadingModel()
+    client_groups = loading.client_groups
+    layers = _layer_files(folder)
+    frozen, unnamed = [], []
     if layers:
-        # DeepSpeed's pipeline engine keeps the weights in one file per layer (its model
-        # states hold ``module: None``) and the optimizer per stage: not read here.
-        raise CheckpointError(
-            f"{folder} is a DeepSpeed pipeline checkpoint ({layers[0].name} and "
-            f"{len(layers) - 1} more layer files): zerolap loads DeepSpeed's checkpoints of "
-            "engines without a pipeline, and its own pipeline checkpoints, not DeepSpeed's "
-            "pipeline layout"
-        )
-    zero3_models = _by_rank(folder, ZERO3_MODEL_GLOB)
-    model_paths = zero3_models or [folder / MODEL_FILE]
-    models = [_load(path) for path in model_paths]
-    first = models[0]
-    optims = [_load(path)["optimizer_state_dict"] for path in _by_rank(folder, OPTIM_GLOB)]
-    if optims and int(optims[0].get("zero_stage", 1)) == 3:
-        stage, params = 3, _zero3(first, optims)
-    elif optims:
-        stage, params = int(optims[0].get("zero_stage", 1)), _zero12(first, optims)
+        first, optims, stage, params, unnamed = _read_pipeline(folder, layers, loading)
     else:
-        stage, params = 0, _zero0(first, client_groups)
+        zero3_models = _by_rank(folder, ZERO3_MODEL_GLOB)
+        model_paths = zero3_models or [folder / MODEL_FILE]
+        models = [_load(path) for path in model_paths]
+        first = models[0]
+        optims = [_load(path)["optimizer_state_dict"] for path in _by_rank(folder, OPTIM_GLOB)]
+        if optims and int(optims[0].get("zero_stage", 1)) == 3:
+            stage, params = 3, _zero3(first, optims)
+            frozen = _frozen_pieces(models)
+        elif optims:
+            stage, params = int(optims[0].get("zero_stage", 1)), _zero12(first, optims)
+        else:
+            stage, params = 0, _zero0(first, client_groups)
     runs = [
         {"group": g, "segments": [Segment(n, 0, v.numel(), 0)], "values": v, "state": s}
         for g, n, v, s in params
     ]
-    frozen = _frozen_pieces(models) if stage == 3 else []
     runs += [
         {"group": -1, "segments": [Segment(n, 0, v.numel(), 0)], "values": v, "state": {}}
         for n, v in frozen
@@ -304,9 +316,226 @@ def read_deepspeed(folder: Path, client_groups=None) -> tuple[dict, list[dict]]:
         "loss_scaler": _loss_scaler(optims),
         "client_state": {k: v for k, v in first.items() if k not in _DEEPSPEED_KEYS},
         "ds_config": config,
+        "unnamed": [f"mp_rank_{s:02d}" for s in unnamed],
     }
     groups = _param_groups(first, optims)
     return saved, [{"runs": runs, "param_groups": groups, "rng": None}]
+
+
+# -- the pipeline engine's layout ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadingModel:
+    """What the loading engine knows that DeepSpeed's files leave unsaid: its client's param
+    groups ((name, trains) per parameter, in the client's order), a pipeline model's name
+    prefix for each layer's entries, and this rank's pipeline stage among how many."""
+
+    client_groups: list | None = None
+    layer_prefixes: list[str] | None = None
+    stage: int = 0
+    stages: int = 1
+
+
+def _read_pipeline(folder: Path, layers: dict[int, Path], loading: LoadingModel):
+    """A pipeline checkpoint as one engine's: (model states, the ZeRO files of the stage whose
+    hyperparameters apply, the ZeRO stage, the parameter pieces, the stages whose optimizer
+    entries could not be named)."""
+    models = _stage_files(folder)
+    prefixes = _prefixes(layers, loading.layer_prefixes)
+    module = _layer_weights(layers, prefixes)
+    optims = [_stage_optims(folder, s, model) for s, model in enumerate(models)]
+    # The loading rank's own stage, when the pipeline is cut as it was saved: its param
+    # groups' hyperparameters (stages may hold different groups) and its client's names.
+    own = loading.stage if loading.stages == len(models) else None
+    if any(optims):
+        stage = int(optims[0][0].get("zero_stage", 1)) if optims[0] else 1
+        pieces, unnamed = [], []
+        for s, (model, found) in enumerate(zip(models, optims, strict=True)):
+            if found and "zero_stage" in found[0] and model.get("param_shapes"):
+                pieces += _zero12(model, found)
+            else:  # BF16_Optimizer without ZeRO: flat partitions that nothing names
+                unnamed.append(s)
+        params = _first_of_each(pieces)
+    else:
+        stage = 0
+        buffers = {n for model in models for n in model.get("buffer_names") or ()}
+        params, unnamed = _pipeline_zero0(models, module, prefixes, buffers, loading, own)
+    # Every stage's counters are the same; the weights are the layers', the names every
+    # stage's and group's.
+    shapes = {
+        name: shape
+        for model in models
+        for group in model.get("param_shapes") or []
+        for name, shape in group.items()
+    }
+    at = own if own is not None else 0
+    first = {**models[at], "module": module, "param_shapes": [shapes]}
+    return first, optims[at], stage, params, unnamed
+
+
+_LAYER_FILE = re.compile(r"layer_(\d+)(?:-model_(\d+))?-model_states\.pt")
+
+
+def _layer_files(folder: Path) -> dict[int, Path]:
+    """Layer index -> its file, for a pipeline checkpoint (empty for any other). Megatron's
+    topology names a model axis even of size 1 (``layer_03-model_00-model_states.pt``)."""
+    found = {}
+    for path in folder.glob("layer_*-model_states.pt"):
+        match = _LAYER_FILE.fullmatch(path.name)
+        if match is None or int(match.group(2) or 0) != 0:
+            raise CheckpointError(
+                f"{folder} is a DeepSpeed pipeline checkpoint with tensor parallelism "
+                f"({path.name}): its layers' tensor-parallel pieces are not read; zerolap reads "
+                "DeepSpeed pipeline checkpoints saved without tensor parallelism"
+            )
+        found[int(match.group(1))] = path
+    return dict(sorted(found.items()))
+
+
+def _stage_files(folder: Path) -> list[dict]:
+    """Each pipeline stage's model states, in stage order, all of them."""
+    paths = sorted(folder.glob("mp_rank_*_model_states.pt"))
+    numbers = [int(re.search(r"mp_rank_(\d+)_", p.name).group(1)) for p in paths]
+    models = [_load(path) for path in paths]
+    dims = (models[0].get("checkpoint_parallel_dimensions") or {}) if models else {}
+    stages = dims.get("pp_degree", len(paths))
+    if numbers != list(range(stages)):
+        raise CheckpointError(
+            f"{folder}: a DeepSpeed pipeline checkpoint of {stages} stages needs "
+            f"mp_rank_00 to mp_rank_{stages - 1:02d}_model_states.pt; found "
+            f"{[p.name for p in paths]}"
+        )
+    return models
+
+
+def _stage_optims(folder: Path, stage: int, model: dict) -> list[dict]:
+    """Pipeline stage ``stage``'s ZeRO optimizer files, in data-parallel rank order, all of
+    them (one per data-parallel rank)."""
+    paths = _by_rank(folder, f"*zero_pp_rank_*_mp_rank_{stage:02d}_optim_states.pt")
+    expected = model.get("dp_world_size", len(paths))
+    if paths and len(paths) != expected:
+        raise CheckpointError(
+            f"{folder}: pipeline stage {stage} of this DeepSpeed checkpoint has "
+            f"{len(paths)} optimizer files for {expected} data-parallel ranks"
+        )
+    return [_load(path)["optimizer_state_dict"] for path in paths]
+
+
+def _prefixes(layers: dict[int, Path], layer_prefixes: list[str] | None) -> list[str]:
+    """Each layer's name prefix: the loading model's, or the layer's index."""
+    if layer_prefixes is not None:
+        if max(layers) >= len(layer_prefixes):
+            raise CheckpointError(
+                f"the DeepSpeed pipeline checkpoint has a file for layer {max(layers)}; the "
+                f"model here has {len(layer_prefixes)} layers"
+            )
+        return layer_prefixes
+    return [f"{index}." for index in range(1 + max(layers))]
+
+
+def _layer_weights(layers: dict[int, Path], prefixes: list[str]) -> dict[str, torch.Tensor]:
+    """The whole model's state dict from the layer files. A tied module is in the file of
+    every layer that calls it without a ``forward_fn``, all equal: the first is kept."""
+    module: dict[str, torch.Tensor] = {}
+    for index, path in layers.items():
+        for key, tensor in _load(path).items():
+            module.setdefault(prefixes[index] + key, tensor)
+    return module
+
+
+def _first_of_each(pieces):
+    """Each parameter's first piece: a tied one is in every stage holding it, all equal."""
+    seen: set[str] = set()
+    out = []
+    for piece in pieces:
+        if piece[1] not in seen:
+            seen.add(piece[1])
+            out.append(piece)
+    return out
+
+
+def _stage_params(layer_names: list[list[str]], prefixes, start: int, stop: int) -> list[str]:
+    """What a DeepSpeed stage holding layers ``start`` to ``stop`` lists as its parameters:
+    its tied modules' first (``tied_modules`` is registered before the layers), then its
+    layers', in order. ``layer_names[i]``: layer ``i``'s parameters."""
+    tied, own = [], []
+    for index in range(start, stop):
+        if prefixes[index].startswith("tied_modules."):
+            tied += [n for n in layer_names[index] if n not in tied]
+        else:
+            own += layer_names[index]
+    return tied + own
+
+
+def _fits(saved: dict, groups: list[list[str]], module: dict) -> bool:
+    """Whether a stage's saved optimizer holds ``groups`` of parameters: as many groups and
+    entries, each per-element state tensor shaped as its parameter (or, for DeepSpeed's
+    16-bit optimizer, one flat buffer per group as long as its parameters). Other layouts
+    (fp16's unfused optimizer) fit nothing."""
+    flat = saved.get("fp32_groups_flat")
+    inner = saved.get("optimizer_state_dict", saved) if flat is not None else saved
+    if "param_groups" not in inner or len(inner["param_groups"]) != len(groups):
+        return False
+    if flat is not None:
+        return all(
+            f.numel() == sum(module[n].numel() for n in names)
+            for f, names in zip(flat, groups, strict=True)
+        )
+    for group, names in zip(inner["param_groups"], groups, strict=True):
+        if len(group["params"]) != len(names):
+            return False
+        for i, name in zip(group["params"], names, strict=True):
+            for value in inner["state"].get(i, {}).values():
+                per_element = isinstance(value, torch.Tensor) and value.dim() > 0
+                if per_element and value.shape != module[name].shape:
+                    return False
+    return True
+
+
+def _split(saved: list, layer_names, prefixes, module, start: int = 0) -> list[int] | None:
+    """Where each stage of ``saved`` (their optimizers, in stage order) ends, such that every
+    stage's parameters from ``start`` on fit its entries; None when no cut does. A stage may
+    end at any of several layers (those without parameters, or calling a tied module it holds
+    already): every one is tried, so a wrong early cut cannot strand the later stages."""
+    if not saved:
+        return [] if start == len(prefixes) else None
+    stops = [len(prefixes)] if len(saved) == 1 else range(start, len(prefixes) + 1)
+    for stop in stops:
+        held = _stage_params(layer_names, prefixes, start, stop)
+        if _fits(saved[0], [held], module):
+            rest = _split(saved[1:], layer_names, prefixes, module, stop)
+            if rest is not None:
+                return [stop, *rest]
+    return None
+
+
+def _pipeline_zero0(models, module, prefixes, buffers, loading: LoadingModel, own):
+    """Stage 0: each pipeline stage's optimizer, its entries named by the layers the stage
+    holds: the cut of the layers into stages whose parameters fit every stage's entries (one
+    param group each). Failing that, the loading rank's own stage (``own``, when the pipeline
+    is cut as saved) is named by its client's groups. Returns the pieces and the stages left
+    unnamed; ``load_checkpoint`` refuses to leave a parameter it steps without its state."""
+    layer_names = [
+        [n for n in module if n.startswith(prefix) and n not in buffers] for prefix in prefixes
+    ]
+    saved = [model.get("optimizer") for model in models]
+    ends = None if None in saved else _split(saved, layer_names, prefixes, module)
+    found, unnamed = [], []
+    for s, optimizer in enumerate(saved):
+        if ends is not None:
+            held = _stage_params(layer_names, prefixes, ([0, *ends])[s], ends[s])
+            groups = [[(n, True) for n in held]]
+        elif s == own and optimizer is not None and loading.client_groups is not None:
+            groups = loading.client_groups
+            if not _fits(optimizer, [[n for n, _ in g] for g in groups], module):
+                unnamed.append(s)
+                continue
+        else:
+            unnamed.append(s)
+            continue
+        found += _zero0({"module": module, "optimizer": optimizer}, groups)
+    return _first_of_each(found), unnamed
 
 
 def _shape_of(model: dict, name: str) -> tuple[int, ...]:

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 import zerolap.comm as dist
+from zerolap.checkpoint.deepspeed_format import LoadingModel
 from zerolap.checkpoint.files import (
     MODEL_FILE,
     CheckpointError,
@@ -379,7 +380,48 @@ def _resume_accumulation(engine, saved: dict) -> None:
 READ_ATTEMPTS = 3
 
 
-def _read_whole(engine, load_dir: Path, tag) -> tuple[Path, dict, list[dict]] | None:
+def _loading_model(engine) -> LoadingModel:
+    """What a DeepSpeed checkpoint's files leave to the loading model to say: the client's
+    param groups, and a pipeline's layer names and this rank's stage."""
+    prefixes = getattr(engine.module, "layer_prefixes", None)
+    return LoadingModel(
+        client_groups=_client_groups(engine),
+        layer_prefixes=prefixes() if callable(prefixes) else None,
+        stage=getattr(engine, "stage_id", 0),
+        stages=getattr(engine, "num_stages", 1),
+    )
+
+
+def _unnamed_state(engine, saved: dict, shards: list[dict]) -> str | None:
+    """The parameters this rank steps whose optimizer state is in the checkpoint's entries
+    that could not be named (a DeepSpeed pipeline stage's), said as an error; None if none."""
+    if not saved.get("unnamed") or engine.optimizer is None:
+        return None
+    index, names = SegmentIndex(shards), managed_names(engine)
+    splits = _splits(engine, names)
+    lacking = sorted(
+        {
+            seg.name
+            for run in engine.optimizer.runs
+            for seg in segments_of(engine.layout, names, run.start, run.end, splits)
+            if index.covered(seg.name) == 0
+        }
+    )
+    if not lacking:
+        return None
+    return (
+        f"rank {dist.get_rank()}: the optimizer entries of DeepSpeed pipeline stage(s) "
+        f"{saved['unnamed']} cannot be named (their param groups are not the stage's "
+        "parameters in module order, the pipeline is cut otherwise than when saved, or "
+        f"their layout is not read), and they hold the state of {lacking[:5]}"
+        f"{' and more' if len(lacking) > 5 else ''}: load at the same number of stages "
+        "with the same param groups, or with load_optimizer_states=False"
+    )
+
+
+def _read_whole(
+    engine, load_dir: Path, tag, optimizer_wanted: bool = True
+) -> tuple[Path, dict, list[dict]] | None:
     """The checkpoint's folder, model states and shards, all of one save, on every rank (None
     on every rank when ``tag`` is None and ``load_dir`` names no checkpoint).
 
@@ -398,7 +440,9 @@ def _read_whole(engine, load_dir: Path, tag) -> tuple[Path, dict, list[dict]] | 
                 folder = tag_folder(load_dir, name, who=f"rank {rank}: ")
                 began = saved_identity(folder)
                 verify(folder, share=(rank, world))
-                saved, shards = read_checkpoint(folder, _client_groups(engine), hashed=True)
+                saved, shards = read_checkpoint(folder, _loading_model(engine), hashed=True)
+                if optimizer_wanted:
+                    problem = _unnamed_state(engine, saved, shards)
         except Exception as err:
             # Any error, not only a CheckpointError: raised here, it would leave the other ranks
             # waiting in the gather below. A file that vanished between two reads (an OSError,
@@ -598,7 +642,9 @@ def load_checkpoint(
 ):
     dist.check_in("load_checkpoint")
     load_dir = Path(load_dir)
-    found = _read_whole(engine, load_dir, tag)
+    optimizer = engine.optimizer
+    wanted = optimizer is not None and load_optimizer_states and not load_module_only
+    found = _read_whole(engine, load_dir, tag, wanted)
     if found is None:
         logger.warning(f"nothing loaded: {no_latest(load_dir)}")
         return None, None
@@ -611,8 +657,7 @@ def load_checkpoint(
     _load_module_states(engine, saved, folder, load_module_strict, custom_load_fn, model_keys)
     _load_params(engine, params, names)
     _load_master(engine, params, names)
-    optimizer = engine.optimizer
-    if optimizer is not None and load_optimizer_states and not load_module_only:
+    if wanted:
         _load_optimizer_state(engine, index, shards, names)
     if engine.plan.shard_params:
         engine.param_store.publish(frozen_too=True)  # persistent units from the new shards

@@ -294,17 +294,18 @@ def read_latest(load_dir: Path) -> str:
     return tag
 
 
-def read_checkpoint(
-    folder: Path, client_groups=None, *, hashed: bool = False
-) -> tuple[dict, list[dict]]:
+def read_checkpoint(folder: Path, loading=None, *, hashed: bool = False) -> tuple[dict, list[dict]]:
     """The model states and every rank's shard of the checkpoint in ``folder``, saved by
-    zerolap or by DeepSpeed (converted to zerolap's form, ``checkpoint.deepspeed_format``;
-    ``client_groups`` names a stage-0 DeepSpeed optimizer's entries). Its files' bytes are
-    checked against their digests unless the caller did (``hashed``)."""
+    zerolap or by DeepSpeed (converted to zerolap's form, ``checkpoint.deepspeed_format``,
+    with what the ``loading`` engine knows of its model: a ``LoadingModel``). Its files'
+    bytes are checked against their digests unless the caller did (``hashed``)."""
     from zerolap.checkpoint.deepspeed_format import is_deepspeed_checkpoint, read_deepspeed
 
+    def deepspeed():
+        return read_deepspeed(folder, loading)
+
     if not (folder / MODEL_FILE).is_file() and is_deepspeed_checkpoint(folder):
-        return read_deepspeed(folder, client_groups)  # stage 3: one model file per rank
+        return deepspeed()  # stage 3: one model file per rank
     if hashed:
         recorded = _recorded(folder)
         save = None if recorded is None else recorded[0]
@@ -312,7 +313,7 @@ def read_checkpoint(
         save = verify(folder)
     saved = read(folder / MODEL_FILE, what="model states")
     if is_deepspeed_checkpoint(folder, saved):
-        return read_deepspeed(folder, client_groups)
+        return deepspeed()
     check_same_save(folder / MODEL_FILE, saved, save)
     save = save or saved.get("save")  # without checksums.json, the model file's save rules
     shards = []

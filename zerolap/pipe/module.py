@@ -219,6 +219,14 @@ class PipelineModule(nn.Module):
             for layer in self.layer_list
         ]
 
+    def layer_prefixes(self) -> list[str]:
+        """Each layer's state_dict prefix in the whole model: its index (``"3."``), or for a
+        tied layer its module's (``"tied_modules.embed."``); a function's holds nothing."""
+        return [
+            f"tied_modules.{layer.key}." if isinstance(layer, TiedLayerSpec) else f"{index}."
+            for index, layer in enumerate(self.layer_list)
+        ]
+
     def tied_keys(self) -> dict[str, list[int]]:
         """Every tie in the whole model: key -> the stages holding one of its layers."""
         holders: dict[str, list[int]] = {}

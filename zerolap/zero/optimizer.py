@@ -160,6 +160,10 @@ class ZeroOptimizer:
         counted: list[bool] | None = None,
         low_precision_master: bool = False,
     ) -> None:
+        # Param groups with no parameters are dropped, as DeepSpeed drops them: the Hugging
+        # Face Trainer builds an empty "no decay" group for a LoRA model, and a scheduler made
+        # after ``initialize`` (and its saved state) then counts the groups DeepSpeed counts.
+        inner.param_groups[:] = [group for group in inner.param_groups if group["params"]]
         self.inner = inner
         self.layout = layout
         self.store = param_store  # FlatParams (stages 0-2) or ShardedParams (stage 3)

@@ -7,7 +7,9 @@
 Each case trains ``model.STEPS`` steps on 2 gloo ranks and saves ``<case>/ckpt``; then it takes
 one more step and saves in ``<case>/expected.pt`` what a resumed run must reproduce: that step's
 loss (the mean over ranks) and the fp32 parameters after it, plus the fp32 parameters in the
-checkpoint itself. Not run by the tests (they read the files); kept to say how they were made.
+checkpoint itself. The pipeline cases (``pipe_model``) do the same with ``train_batch``, on
+stages x data-parallel ranks, and keep every parameter by name (a tied one from its first
+stage). Not run by the tests (they read the files); kept to say how they were made.
 """
 
 from __future__ import annotations
@@ -75,7 +77,54 @@ def worker(case: str) -> None:
     engine.save_checkpoint(str(ckpt), client_state={"client_key": 7})
     next_loss = step(STEPS + 1)
     expected = {"next_loss": next_loss, "saved_params": saved_params, "params_after": fp32_params()}
-    if rank == 0:
+    finish(case, ckpt, expected)
+
+
+def pipeline_worker(case: str) -> None:
+    import deepspeed
+    import deepspeed.pipe as pipe
+    import torch
+
+    from tests.checkpoint.deepspeed_0_19_8.pipe_model import (
+        CASES,
+        STEPS,
+        batches,
+        build_model,
+        client_optimizer,
+        ds_config,
+    )
+
+    stage, stages, dp, client = CASES[case]
+    deepspeed.init_distributed(dist_backend="gloo")
+    model = build_model(pipe, stages)
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        optimizer=client_optimizer(model) if client else None,
+        config=ds_config(stage, dp, client),
+    )
+    dp_rank = engine.grid.get_data_parallel_rank()
+
+    def params() -> dict:
+        every: list = [None] * torch.distributed.get_world_size()
+        mine = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        torch.distributed.all_gather_object(every, mine)
+        return {n: v for found in reversed(every) for n, v in found.items()}  # rank 0's last
+
+    for number in range(1, STEPS + 1):
+        engine.train_batch(batches(number, dp_rank))
+    saved_params = params()
+    ckpt = HERE / case / "ckpt"
+    engine.save_checkpoint(str(ckpt), client_state={"client_key": 7})
+    next_loss = engine.train_batch(batches(STEPS + 1, dp_rank)).item()
+    expected = {"next_loss": next_loss, "saved_params": saved_params, "params_after": params()}
+    finish(case, ckpt, expected)
+
+
+def finish(case: str, ckpt: Path, expected: dict) -> None:
+    import torch
+
+    if torch.distributed.get_rank() == 0:
         torch.save(expected, HERE / case / "expected.pt")
         for extra in ("zero_to_fp32.py", "zero_to_torch.py"):
             (ckpt / extra).unlink(missing_ok=True)
@@ -83,15 +132,25 @@ def worker(case: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def world_size(case: str) -> int:
+    from tests.checkpoint.deepspeed_0_19_8 import model, pipe_model
+
+    if case in pipe_model.CASES:
+        _, stages, dp, _ = pipe_model.CASES[case]
+        return stages * dp
+    return model.CASES[case][1]
+
+
 def launch(case: str) -> None:
+    world = world_size(case)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     shutil.rmtree(HERE / case, ignore_errors=True)
     (HERE / case).mkdir()
     procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    for rank in range(world):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
         env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
         env["PYTHONPATH"] = str(HERE.parents[2])
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", case], env=env))
@@ -100,12 +159,13 @@ def launch(case: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2])
-    else:
-        sys.path.insert(0, str(HERE.parents[2]))
-        from tests.checkpoint.deepspeed_0_19_8.model import CASES
+    sys.path.insert(0, str(HERE.parents[2]))
+    from tests.checkpoint.deepspeed_0_19_8 import model, pipe_model
 
-        for name in sys.argv[1:] or CASES:
+    if sys.argv[1:2] == ["--worker"]:
+        case = sys.argv[2]
+        (pipeline_worker if case in pipe_model.CASES else worker)(case)
+    else:
+        for name in sys.argv[1:] or [*model.CASES, *pipe_model.CASES]:
             launch(name)
             print(f"{name}: written", flush=True)
