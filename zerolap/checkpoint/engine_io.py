@@ -509,8 +509,17 @@ def _check_same_model(engine, saved: dict, path: Path, strict: bool, params: dic
             f"{path} is a checkpoint of another model: parameters missing from it {missing}, "
             f"not in the model {unexpected}, shapes differing {changed}"
         )
-    if missing:
-        logger.warning(f"{path}: parameters not in the checkpoint keep their values: {missing}")
+    # A checkpoint saved without its frozen parameters (the Trainer's, of a PEFT model) is
+    # expected to lack them: said once, briefly; a trainable one missing is worth a warning.
+    frozen = set(_frozen_keys(engine))
+    trainable = [n for n in missing if n not in frozen]
+    if trainable:
+        logger.warning(f"{path}: parameters not in the checkpoint keep their values: {trainable}")
+    if len(trainable) < len(missing) and dist.get_rank() == 0:
+        logger.info(
+            f"{path}: {len(missing) - len(trainable)} frozen parameters are not in the "
+            "checkpoint (saved without them) and keep their values"
+        )
 
 
 def _per_element(value, numel: int) -> bool:
