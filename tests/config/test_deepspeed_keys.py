@@ -71,3 +71,32 @@ def test_pipeline_section_is_read_not_merely_accepted():
     assert (config.pipeline.stages, config.pipeline.partition) == (2, "uniform")
     assert config.pipeline.seed_layers is True
     assert "pipeline.stages" in load_error({"pipeline": {"stages": "two"}})
+
+
+def test_deepspeeds_own_tensor_parallel_keys_load():
+    # DeepSpeed's AutoTP section spells these out; at their defaults they change nothing,
+    # those with no effect here are reported, and those that would change what runs refused.
+    section = {
+        "autotp_size": 2,
+        "tp": {"tp_size": 2, "tp_grain_size": 1},
+        "keep_module_on_host": True,
+        "dtype": "bf16",
+        "vocab_parallel_lm_head": False,
+        "kernel_inject": False,
+        "injection_policy_tuple": None,
+    }
+    config = load({"tensor_parallel": section}, world_size=2)
+    assert sorted(config.unsupported_keys()) == [
+        "tensor_parallel.dtype",
+        "tensor_parallel.keep_module_on_host",
+    ]
+    tp = {"autotp_size": 2, "tp": {"tp_size": 4}}
+    message = load_error({"tensor_parallel": tp}, world_size=2)
+    assert "tensor_parallel.tp: tp_size 4 does not match autotp_size (2)" in message
+    message = load_error(
+        {"tensor_parallel": {"autotp_size": 2, "kernel_inject": True}}, world_size=2
+    )
+    assert "tensor_parallel.kernel_inject: got True; zerolap does not implement this" in message
+    head = {"autotp_size": 2, "vocab_parallel_lm_head": True}
+    message = load_error({"tensor_parallel": head}, world_size=2)
+    assert "tensor_parallel.vocab_parallel_lm_head: true is not implemented" in message

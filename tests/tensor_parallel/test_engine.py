@@ -114,6 +114,28 @@ def test_tensor_ranks_fed_different_batches_is_named(ranks):
         assert "tensor group [0, 1]" in message and "different input batches" in message
 
 
+def inf_on_one_tensor_rank() -> tuple[bool, float, bool]:
+    """An inf in the gradient of a replicated parameter (the final norm's weight) on tensor
+    rank 1 only, which rank 0 counts in the norm for both."""
+    engine, *_ = zerolap.initialize(model=_model(), config=_config(1, 1, 2, "off"))
+    weight = engine.module.ln_f.weight
+    weight.register_hook(lambda g: torch.full_like(g, float("inf")) if dist.get_rank() else g)
+    before = weight.detach().clone()
+    tokens, targets = synthetic_batch(CFG, MICRO, seed=0)
+    engine.backward(engine(tokens, targets))
+    engine.step()
+    result = (engine.was_step_applied(), engine.get_global_grad_norm(), torch.equal(weight, before))
+    engine.destroy()
+    return result
+
+
+def test_an_inf_in_a_replicated_gradient_on_one_tensor_rank_skips_the_step(ranks):
+    # The norm says inf, as it does for an inf in a split parameter (it said nan when the run
+    # a rank does not count was multiplied by 0).
+    for applied, norm, unchanged in ranks(2).run(inf_on_one_tensor_rank):
+        assert not applied and norm == float("inf") and unchanged
+
+
 def tp_wire_bytes(overlap: str) -> tuple[dict[str, int], dict[str, int]]:
     """Bytes all-reduced over the tensor group in one training step of pure TP 2, per pass,
     against the formula: per block 2 forward (attention and MLP outputs) and 2 backward (their

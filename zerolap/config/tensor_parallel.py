@@ -13,14 +13,14 @@ for the model) follows. What zerolap does not implement of DeepSpeed's section (
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import AliasChoices, Field
 
 from zerolap.config.errors import Problem
-from zerolap.config.section import ConfigSection
+from zerolap.config.section import ConfigSection, DeepSpeedOnly, is_set, is_true
 
-__all__ = ["LayerSpec", "PartitionConfig", "TensorParallelConfig"]
+__all__ = ["InnerTPConfig", "LayerSpec", "PartitionConfig", "TensorParallelConfig"]
 
 
 class LayerSpec(ConfigSection):
@@ -107,6 +107,25 @@ class PartitionConfig(ConfigSection):
         return []
 
 
+class InnerTPConfig(ConfigSection):
+    """``tensor_parallel.tp``: DeepSpeed's inner block, which AutoTP training fills in from
+    ``autotp_size``."""
+
+    tp_size: int = Field(1, ge=1)
+    """1, or the same as ``autotp_size`` (DeepSpeed refuses any other)."""
+    tp_grain_size: Annotated[int, DeepSpeedOnly()] = 1
+    """DeepSpeed's granularity for uneven splits, not active in its training either; zerolap
+    splits evenly or names the layer that does not divide."""
+
+
+_KERNELS = "it swaps in DeepSpeed's inference kernels"
+_POLICY = "it names the all-reduced layers; give them as partition_config.layer_specs"
+_VOCAB_HEAD = (
+    "true is not implemented: zerolap keeps a Hugging Face model's LM head replicated "
+    "(partition_config.lm_head_patterns)"
+)
+
+
 class TensorParallelConfig(ConfigSection):
     """``tensor_parallel``: AutoTP training."""
 
@@ -128,6 +147,27 @@ class TensorParallelConfig(ConfigSection):
     preset_model: str | None = None
     """A named plan: ``gpt`` (zerolap's demo), ``gpt2``, ``llama``, ``mistral``, ``qwen2``,
     ``qwen3``."""
+    inner: InnerTPConfig = Field(
+        default_factory=InnerTPConfig, validation_alias=AliasChoices("tp", "tensor_parallel")
+    )
+    """DeepSpeed's inner ``tp`` block (``tp_size`` 1 or ``autotp_size``)."""
+    dtype: Annotated[Any, DeepSpeedOnly()] = None
+    """DeepSpeed's AutoTP model dtype; training's precision is the fp16 / bf16 sections'."""
+    keep_module_on_host: Annotated[bool, DeepSpeedOnly()] = False
+    """DeepSpeed keeps checkpoint tensors on the host while it loads; zerolap's split reads
+    the model where it is."""
+    vocab_parallel_lm_head: bool | None = None
+    """DeepSpeed's vocabulary-parallel LM head for Hugging Face models (true: refused); false
+    and unset keep it replicated, which is what zerolap does (its own GPT's head is vocabulary
+    parallel through ``zerolap.tensor_parallel``)."""
+    vocab_parallel_ce_backend: Annotated[Literal["torch", "liger"], DeepSpeedOnly()] = "torch"
+    """DeepSpeed's cross-entropy kernel for a vocabulary-parallel head."""
+    injection_policy_tuple: Annotated[Any, DeepSpeedOnly(is_set, _POLICY)] = None
+    """DeepSpeed's AutoTP injection policy."""
+    replace_with_kernel_inject: Annotated[bool, DeepSpeedOnly(is_true, _KERNELS)] = Field(
+        False, validation_alias=AliasChoices("kernel_inject", "replace_with_kernel_inject")
+    )
+    """DeepSpeed's inference kernel injection."""
 
     @property
     def overlap_mode(self) -> str:
@@ -137,10 +177,16 @@ class TensorParallelConfig(ConfigSection):
         return "backward" if self.tp_overlap_comm else "off"
 
     def _check(self, context: Mapping[str, Any]) -> list[Problem]:
+        problems = []
         if self.overlap == "off" and self.tp_overlap_comm:
             message = "overlap: off contradicts tp_overlap_comm: true; set one of them"
-            return [Problem(("overlap",), message)]
-        return []
+            problems.append(Problem(("overlap",), message))
+        if self.vocab_parallel_lm_head:
+            problems.append(Problem(("vocab_parallel_lm_head",), _VOCAB_HEAD))
+        if self.inner.tp_size not in (1, self.size):
+            message = f"tp_size {self.inner.tp_size} does not match autotp_size ({self.size})"
+            problems.append(Problem(("tp",), message))
+        return problems
 
     @property
     def size(self) -> int:

@@ -201,10 +201,8 @@ class ZeroOptimizer:
         self.mixed = self.store.dtype != torch.float32 and not low_precision_master
         # What each run's squares count for in the global norm on this rank.
         self._count_all = all(r.counted for r in self.runs)
-        self._norm_weights = torch.tensor(
-            [1.0 if r.counted else 0.0 for r in self.runs] or [1.0],
-            dtype=torch.float64,
-            device=self.store.device,
+        self._norm_counted = torch.tensor(
+            [r.counted for r in self.runs] or [True], device=self.store.device
         )
         # ``swap`` (offload_optimizer: nvme) decides which sub-groups live on disk; ``host``
         # (on an accelerator) moves the offloaded ones, or with ``cpu`` the last ``ratio`` of
@@ -533,7 +531,11 @@ class ZeroOptimizer:
                 norms[i] = norm
         squares = torch.stack(norms).pow(2)
         if not self._count_all:
-            squares = squares * self._norm_weights
+            # A run another rank counts adds nothing here, unless it is not finite: then it
+            # must still make the norm so, to skip the step on every rank (kept as it is,
+            # where multiplying an inf by 0 would report nan).
+            kept = self._norm_counted | ~torch.isfinite(squares)
+            squares = torch.where(kept, squares, 0.0)
         return squares.sum().reshape(1)
 
     def copy_master_to_params(self, only: set[int] | None = None) -> None:
