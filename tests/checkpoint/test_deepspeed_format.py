@@ -204,9 +204,12 @@ def test_a_pipeline_stage_whose_optimizer_cannot_be_named_is_refused(ranks, tmp_
     torch.save(states, path)
     results = ranks(2).run(resume_pipeline, "pipe_s0_p2", 2, 0, ckpt, timeout=TIMEOUT)
     for result in results:
-        assert "rank 1: the optimizer entries of DeepSpeed pipeline stage(s)" in result["error"]
-        assert "'mp_rank_01'] cannot be named" in result["error"]
-        assert "4.fc.weight" in result["error"]
+        assert result["error"].startswith("rank 1: the optimizer state of ['4.fc.bias'")
+        assert "cannot be named: mp_rank_00_model_states.pt (pipeline stage 0" in result["error"]
+        assert (
+            "mp_rank_01_model_states.pt (pipeline stage 1: its entries fit no cut"
+            in (result["error"])
+        )
     results = ranks(2).run(
         resume_pipeline, "pipe_s0_p2", 2, 0, ckpt, load_optimizer_states=False, timeout=TIMEOUT
     )
@@ -253,3 +256,21 @@ def test_deepspeeds_pipeline_layout_with_tensor_parallel_pieces_is_named(tmp_pat
         torch.save({"weight": torch.zeros(2)}, path)
     with pytest.raises(CheckpointError, match="pipeline checkpoint with tensor parallelism"):
         read_deepspeed(tmp_path)
+
+
+def test_a_stage0_optimizer_layout_not_read_is_listed_unnamed(tmp_path):
+    # DeepSpeed's unfused fp16 optimizer keeps an fp32 copy per parameter: not read, so its
+    # file is listed and load_checkpoint refuses to step on without that state.
+    from zerolap.checkpoint.deepspeed_format import LoadingModel, read_deepspeed
+
+    ckpt = _copy("s0_ws2", tmp_path) / "global_step3"
+    path = ckpt / "mp_rank_00_model_states.pt"
+    states = torch.load(path, weights_only=False)
+    states["optimizer"] = {"optimizer_state_dict": states["optimizer"], "fp32_groups": [[]]}
+    torch.save(states, path)
+    saved, shards = read_deepspeed(ckpt, LoadingModel(client_groups=[[("fc1.weight", True)]]))
+    assert shards[0]["runs"] == []
+    assert saved["unnamed"] == [
+        "mp_rank_00_model_states.pt (an optimizer layout not read: DeepSpeed's unfused fp16 "
+        "optimizer, an fp32 copy per parameter)"
+    ]

@@ -187,11 +187,18 @@ def _zero3(model: dict, optims: list[dict]) -> list[tuple[int, str, torch.Tensor
     return found
 
 
+def _known_layout(saved: dict) -> bool:
+    """Whether a stage-0 optimizer state is one read here: torch's, or DeepSpeed's fused 16-bit
+    optimizer's (one flat fp32 buffer per group). The unfused fp16 one (an fp32 copy per
+    parameter, ``fp32_groups``) is not."""
+    return "param_groups" in saved or "fp32_groups_flat" in saved
+
+
 def _zero0(model: dict, client_groups) -> list[tuple[int, str, torch.Tensor, dict]]:
     """Stage 0: the optimizer's entries named by the client's param groups (names in order,
     each with whether it trains)."""
     saved = model["optimizer"]
-    if client_groups is None or saved is None:
+    if client_groups is None or saved is None or not _known_layout(saved):
         return []
     flat_groups = saved.get("fp32_groups_flat")
     inner = saved["optimizer_state_dict"] if flat_groups is not None else saved
@@ -262,8 +269,8 @@ def _loss_scaler(optims: list[dict]) -> dict | None:
 def read_deepspeed(folder: Path, loading: LoadingModel | None = None) -> tuple[dict, list[dict]]:
     """The DeepSpeed checkpoint in ``folder`` as zerolap's (model states, [shard]), named with
     what the ``loading`` engine knows. Optimizer entries that cannot be named are left out and
-    listed under ``unnamed`` (pipeline stages), for ``load_checkpoint`` to refuse if it needs
-    them."""
+    their files listed under ``unnamed``, with why, for ``load_checkpoint`` to refuse if it
+    needs them."""
     loading = loading or LoadingModel()
     client_groups = loading.client_groups
     layers = _layer_files(folder)
@@ -283,6 +290,8 @@ def read_deepspeed(folder: Path, loading: LoadingModel | None = None) -> tuple[d
             stage, params = int(optims[0].get("zero_stage", 1)), _zero12(first, optims)
         else:
             stage, params = 0, _zero0(first, client_groups)
+            if first.get("optimizer") is not None and not _known_layout(first["optimizer"]):
+                unnamed = [f"{MODEL_FILE} (an optimizer layout not read: {_UNREAD_LAYOUT})"]
     runs = [
         {"group": g, "segments": [Segment(n, 0, v.numel(), 0)], "values": v, "state": s}
         for g, n, v, s in params
@@ -316,7 +325,7 @@ def read_deepspeed(folder: Path, loading: LoadingModel | None = None) -> tuple[d
         "loss_scaler": _loss_scaler(optims),
         "client_state": {k: v for k, v in first.items() if k not in _DEEPSPEED_KEYS},
         "ds_config": config,
-        "unnamed": [f"mp_rank_{s:02d}" for s in unnamed],
+        "unnamed": unnamed,
     }
     groups = _param_groups(first, optims)
     return saved, [{"runs": runs, "param_groups": groups, "rng": None}]
@@ -355,7 +364,7 @@ def _read_pipeline(folder: Path, layers: dict[int, Path], loading: LoadingModel)
             if found and "zero_stage" in found[0] and model.get("param_shapes"):
                 pieces += _zero12(model, found)
             else:  # BF16_Optimizer without ZeRO: flat partitions that nothing names
-                unnamed.append(s)
+                unnamed.append(_stage_file(s, "bf16 partitions without ZeRO, not read"))
         params = _first_of_each(pieces)
     else:
         stage = 0
@@ -373,6 +382,16 @@ def _read_pipeline(folder: Path, layers: dict[int, Path], loading: LoadingModel)
     first = {**models[at], "module": module, "param_shapes": [shapes]}
     return first, optims[at], stage, params, unnamed
 
+
+def _stage_file(stage: int, why: str) -> str:
+    return f"mp_rank_{stage:02d}_model_states.pt (pipeline stage {stage}: {why})"
+
+
+_UNFIT = (
+    "its entries fit no cut of this model's layers in module order, nor this rank's param "
+    "groups at the same number of stages"
+)
+_UNREAD_LAYOUT = "DeepSpeed's unfused fp16 optimizer, an fp32 copy per parameter"
 
 _LAYER_FILE = re.compile(r"layer_(\d+)(?:-model_(\d+))?-model_states\.pt")
 
@@ -529,10 +548,10 @@ def _pipeline_zero0(models, module, prefixes, buffers, loading: LoadingModel, ow
         elif s == own and optimizer is not None and loading.client_groups is not None:
             groups = loading.client_groups
             if not _fits(optimizer, [[n for n, _ in g] for g in groups], module):
-                unnamed.append(s)
+                unnamed.append(_stage_file(s, _UNFIT))
                 continue
         else:
-            unnamed.append(s)
+            unnamed.append(_stage_file(s, _UNFIT if optimizer is not None else "no optimizer"))
             continue
         found += _zero0({"module": module, "optimizer": optimizer}, groups)
     return _first_of_each(found), unnamed

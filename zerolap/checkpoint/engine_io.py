@@ -394,7 +394,8 @@ def _loading_model(engine) -> LoadingModel:
 
 def _unnamed_state(engine, saved: dict, shards: list[dict]) -> str | None:
     """The parameters this rank steps whose optimizer state is in the checkpoint's entries
-    that could not be named (a DeepSpeed pipeline stage's), said as an error; None if none."""
+    that could not be named (a DeepSpeed pipeline stage's, or a layout not read), said as an
+    error; None if none."""
     if not saved.get("unnamed") or engine.optimizer is None:
         return None
     index, names = SegmentIndex(shards), managed_names(engine)
@@ -410,12 +411,10 @@ def _unnamed_state(engine, saved: dict, shards: list[dict]) -> str | None:
     if not lacking:
         return None
     return (
-        f"rank {dist.get_rank()}: the optimizer entries of DeepSpeed pipeline stage(s) "
-        f"{saved['unnamed']} cannot be named (their param groups are not the stage's "
-        "parameters in module order, the pipeline is cut otherwise than when saved, or "
-        f"their layout is not read), and they hold the state of {lacking[:5]}"
-        f"{' and more' if len(lacking) > 5 else ''}: load at the same number of stages "
-        "with the same param groups, or with load_optimizer_states=False"
+        f"rank {dist.get_rank()}: the optimizer state of {lacking[:5]}"
+        f"{' and more' if len(lacking) > 5 else ''} is in DeepSpeed checkpoint entries that "
+        f"cannot be named: {'; '.join(saved['unnamed'])}. Load with "
+        "load_optimizer_states=False to take the weights alone"
     )
 
 
