@@ -153,6 +153,53 @@ def test_offloaded_runs_equal_in_memory_runs_bitwise(ranks, tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+class GroupStepAdam(torch.optim.Optimizer):
+    """An Adam-like optimizer that counts steps in its param group, as DeepSpeed's and apex's
+    FusedAdam do (``group["step"]``, created by the first step), for its bias correction."""
+
+    def __init__(self, params, lr: float = 0.05) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg"].mul_(0.9).add_(p.grad, alpha=0.1)
+                correction = 1 - 0.9 ** group["step"]
+                p.add_(state["exp_avg"], alpha=-group["lr"] / correction)
+
+
+def group_counted_steps(directory: str) -> list[str]:
+    """The optimizer is called once per swapped sub-group (and per tier), and once more by the
+    probe that finds its state fields; a count kept in its param group must still say STEPS."""
+    results = []
+    for offload in (None, {"device": "nvme", "nvme_path": directory, "buffer_count": 2}):
+        config = _config(2, opt=offload)
+        del config["optimizer"]
+        engine, optimizer, *_ = zerolap.initialize(
+            model=make_model(), optimizer=lambda params: GroupStepAdam(params), config=config
+        )
+        _train(engine, range(STEPS))
+        results.append((_params(engine), [g["step"] for g in optimizer.param_groups]))
+        engine.destroy()
+    (want, want_steps), (got, got_steps) = results
+    failures = differences("group-counting optimizer", (got, {}), (want, {}))
+    if got_steps != want_steps or want_steps != [STEPS]:
+        failures.append(f"group step counts {got_steps} with nvme, {want_steps} without")
+    return failures
+
+
+def test_an_optimizer_counting_in_its_param_group_steps_once_per_step(ranks, tmp_path):
+    failures = ranks(2).run(group_counted_steps, str(tmp_path), timeout=120)
+    assert failures == [[], []], failures
+
+
 # -- checkpoints --------------------------------------------------------------------------------
 
 

@@ -23,7 +23,7 @@ import torch
 
 from zerolap.offload.optimizer_swap import Field, OpenSubGroup, SwappedState
 from zerolap.offload.swap_file import SwapError, give_back_free_heap, swap_path
-from zerolap.zero.sub_groups import SubGroup, last_share
+from zerolap.zero.sub_groups import GroupEntries, SubGroup, last_share
 
 __all__ = ["SwapPlan", "SwappedRuns", "probe_fields"]
 
@@ -32,6 +32,7 @@ def probe_fields(inner: torch.optim.Optimizer, device: torch.device) -> list[Fie
     """The per-element state tensors ``inner`` keeps, as ``Field``s: one step on a one-element
     stand-in parameter in each param group (zero gradient), its state then dropped."""
     saved = [group["params"] for group in inner.param_groups]
+    entries = GroupEntries(inner)  # the probe's steps are not the client's
     fields: dict[str, torch.dtype] = {}
     try:
         for g in range(len(inner.param_groups)):
@@ -46,6 +47,7 @@ def probe_fields(inner: torch.optim.Optimizer, device: torch.device) -> list[Fie
     finally:
         for group, params in zip(inner.param_groups, saved, strict=True):
             group["params"] = params
+        entries.restore()
     return [Field(name, dtype) for name, dtype in fields.items()]
 
 

@@ -42,7 +42,7 @@ import torch
 import zerolap.comm as dist
 from zerolap.offload.swap_file import SwapError, set_up_on_every_rank
 from zerolap.zero.layout import FlatLayout
-from zerolap.zero.sub_groups import split_runs
+from zerolap.zero.sub_groups import GroupEntries, split_runs
 
 __all__ = ["STEP_PIECE_NUMEL", "ZeroOptimizer"]
 
@@ -425,9 +425,10 @@ class ZeroOptimizer:
             for on_device in _by_device(grads).values():
                 torch._foreach_div_([grads[i] for i in on_device], divisor)
         failure = None
+        entries, calls = GroupEntries(self.inner), []
         try:
             for tier in self.tiers:
-                tier.step(lambda indices: self._step_runs(indices, grads))
+                tier.step(lambda indices: self._step_runs(indices, grads, entries, calls))
         except Exception as error:
             if not self._swap_agreed:
                 raise
@@ -489,9 +490,13 @@ class ZeroOptimizer:
         """Whether this rank's own gradients are finite (no collective)."""
         return bool(self._finite(self._owned_grads()))
 
-    def _step_runs(self, indices: list[int], grads: list[torch.Tensor]) -> None:
+    def _step_runs(self, indices, grads, entries: GroupEntries, calls: list) -> None:
         """One call of the inner optimizer on runs ``indices`` (those with a gradient: the
-        others are skipped by every torch optimizer), then their 16-bit parameters."""
+        others are skipped by every torch optimizer), then their 16-bit parameters. A further
+        call in the same step sees the param groups' entries as the first did."""
+        if calls:
+            entries.restore()
+        calls.append(indices)
         for i in indices:
             self.views[i].grad = grads[i]
         self.inner.step()

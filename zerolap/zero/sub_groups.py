@@ -24,9 +24,11 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, replace
 
+import torch
+
 from zerolap.zero.layout import OwnedRun
 
-__all__ = ["SubGroup", "last_share", "split_runs"]
+__all__ = ["GroupEntries", "SubGroup", "last_share", "split_runs"]
 
 
 @dataclass(frozen=True)
@@ -88,3 +90,34 @@ def last_share(sub_groups: list[SubGroup], ratio: float) -> list[SubGroup]:
         kept_numel += sg.numel
         kept += 1
     return sub_groups[kept:]
+
+
+class GroupEntries:
+    """The client optimizer's own param-group entries (all but ``params``) as they were when
+    taken, put back before each further call of its ``step()`` in one optimizer step.
+
+    Stepped a sub-group (or a tier) at a time, the optimizer is called several times per step.
+    torch's optimizers keep their counts per parameter and do not mind; one that counts in the
+    group (DeepSpeed's and apex's FusedAdam: ``group["step"] += 1``, the step its bias
+    correction uses) would count every call. Each call then starts from the entries of the
+    step's start, and the last call's leave them as one call would."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self.taken = [_entries(group) for group in optimizer.param_groups]
+
+    def restore(self) -> None:
+        for group, taken in zip(self.optimizer.param_groups, self.taken, strict=True):
+            for key in [k for k in group if k != "params" and k not in taken]:
+                del group[key]  # added by the call since (a first step's counter)
+            group.update(_entries(taken))
+
+
+def _entries(group: dict) -> dict:
+    """``group``'s entries but its parameters, tensors copied (a count kept in a tensor is
+    advanced in place)."""
+    return {
+        key: value.clone() if isinstance(value, torch.Tensor) else value
+        for key, value in group.items()
+        if key != "params"
+    }
