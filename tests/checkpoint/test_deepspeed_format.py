@@ -226,10 +226,8 @@ def test_a_pipeline_checkpoint_missing_a_stage_is_refused(tmp_path):
     (ckpt / "mp_rank_01_model_states.pt").unlink()
     with pytest.raises(CheckpointError, match="2 stages needs mp_rank_00 to mp_rank_01"):
         read_deepspeed(ckpt)
-    (ckpt / "mp_rank_00_model_states.pt").rename(ckpt / "mp_rank_01_model_states.pt")
-    _copy("pipe_s1_p2_d2", tmp_path / "again")
-    for path in (tmp_path / "again" / "ckpt" / "global_step3").glob("*mp_rank_00*"):
-        path.replace(ckpt / path.name)
+    source = HERE / "pipe_s1_p2_d2" / "ckpt" / "global_step3" / "mp_rank_01_model_states.pt"
+    (ckpt / "mp_rank_01_model_states.pt").write_bytes(source.read_bytes())
     (ckpt / "zero_pp_rank_1_mp_rank_01_optim_states.pt").unlink()
     with pytest.raises(CheckpointError, match=r"stage 1 .* has 1 optimizer files for 2"):
         read_deepspeed(ckpt)

@@ -154,8 +154,8 @@ def test_offloaded_runs_equal_in_memory_runs_bitwise(ranks, tmp_path):
 
 
 class GroupStepAdam(torch.optim.Optimizer):
-    """An Adam-like optimizer that counts steps in its param group, as DeepSpeed's and apex's
-    FusedAdam do (``group["step"]``, created by the first step), for its bias correction."""
+    """An Adam-like optimizer that counts steps in its param group, as apex's FusedAdam does
+    (``group["step"]``, created by the first step), for its bias correction."""
 
     def __init__(self, params, lr: float = 0.05) -> None:
         super().__init__(params, {"lr": lr})

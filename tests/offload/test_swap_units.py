@@ -15,6 +15,7 @@ from zerolap.offload.optimizer_swap import Field, SwappedState
 from zerolap.offload.param_swap import ParamSwapPlan
 from zerolap.offload.swap_file import SwapError, SwapFile, aligned_empty
 from zerolap.zero.layout import OwnedRun
+from zerolap.zero.sub_groups import GroupEntries
 from zerolap.zero.sub_groups import split_runs
 
 
@@ -244,3 +245,19 @@ def test_a_chunk_that_fails_its_read_breaks_the_swap_and_frees_its_buffer(tmp_pa
             use()
         assert str(later.value) == str(first.value)
     chunks.close()
+
+
+def test_group_entries_come_back_as_the_same_objects_with_their_values():
+    # A scheduler holding a tensor learning rate must keep steering the group after a
+    # sub-group's call; a counter the call added goes, one it advanced in place comes back.
+    lr = torch.tensor(0.1)
+    optimizer = torch.optim.Adam([torch.nn.Parameter(torch.ones(2))], lr=lr)
+    group = optimizer.param_groups[0]
+    group["count"] = torch.tensor(3)
+    entries = GroupEntries(optimizer)
+    group["count"] += 1  # in place
+    group["step"] = 1  # added
+    group["lr"] = torch.tensor(9.0)  # replaced
+    entries.restore()
+    assert "step" not in group and group["count"].item() == 3
+    assert group["lr"] is lr and lr.item() == pytest.approx(0.1)

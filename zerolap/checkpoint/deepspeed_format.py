@@ -338,12 +338,14 @@ def read_deepspeed(folder: Path, loading: LoadingModel | None = None) -> tuple[d
 class LoadingModel:
     """What the loading engine knows that DeepSpeed's files leave unsaid: its client's param
     groups ((name, trains) per parameter, in the client's order), a pipeline model's name
-    prefix for each layer's entries, and this rank's pipeline stage among how many."""
+    prefix for each layer's entries, this rank's pipeline stage among how many, and the
+    names of its frozen parameters."""
 
     client_groups: list | None = None
     layer_prefixes: list[str] | None = None
     stage: int = 0
     stages: int = 1
+    frozen: frozenset[str] = frozenset()
 
 
 def _read_pipeline(folder: Path, layers: dict[int, Path], loading: LoadingModel):
@@ -361,7 +363,9 @@ def _read_pipeline(folder: Path, layers: dict[int, Path], loading: LoadingModel)
         stage = int(optims[0][0].get("zero_stage", 1)) if optims[0] else 1
         pieces, unnamed = [], []
         for s, (model, found) in enumerate(zip(models, optims, strict=True)):
-            if found and "zero_stage" in found[0] and model.get("param_shapes"):
+            if not found:
+                unnamed.append(_stage_file(s, "no optimizer files"))
+            elif "zero_stage" in found[0] and model.get("param_shapes"):
                 pieces += _zero12(model, found)
             else:  # BF16_Optimizer without ZeRO: flat partitions that nothing names
                 unnamed.append(_stage_file(s, "bf16 partitions without ZeRO, not read"))
@@ -414,7 +418,10 @@ def _layer_files(folder: Path) -> dict[int, Path]:
 
 def _stage_files(folder: Path) -> list[dict]:
     """Each pipeline stage's model states, in stage order, all of them."""
-    paths = sorted(folder.glob("mp_rank_*_model_states.pt"))
+    paths = sorted(
+        folder.glob("mp_rank_*_model_states.pt"),
+        key=lambda p: int(re.search(r"mp_rank_(\d+)_", p.name).group(1)),
+    )
     numbers = [int(re.search(r"mp_rank_(\d+)_", p.name).group(1)) for p in paths]
     models = [_load(path) for path in paths]
     dims = (models[0].get("checkpoint_parallel_dimensions") or {}) if models else {}
@@ -496,6 +503,8 @@ def _fits(saved: dict, groups: list[list[str]], module: dict) -> bool:
     inner = saved.get("optimizer_state_dict", saved) if flat is not None else saved
     if "param_groups" not in inner or len(inner["param_groups"]) != len(groups):
         return False
+    if any(n not in module for names in groups for n in names):
+        return False  # a parameter the layer files do not hold
     if flat is not None:
         return all(
             f.numel() == sum(module[n].numel() for n in names)
@@ -540,6 +549,10 @@ def _pipeline_zero0(models, module, prefixes, buffers, loading: LoadingModel, ow
     ]
     saved = [model.get("optimizer") for model in models]
     ends = None if None in saved else _split(saved, layer_names, prefixes, module)
+    if ends is None and loading.frozen:
+        # A client that gave the optimizer its trainable parameters only (PEFT's way).
+        layer_names = [[n for n in names if n not in loading.frozen] for names in layer_names]
+        ends = None if None in saved else _split(saved, layer_names, prefixes, module)
     found, unnamed = [], []
     for s, optimizer in enumerate(saved):
         if ends is not None:

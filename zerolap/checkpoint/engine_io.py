@@ -389,6 +389,7 @@ def _loading_model(engine) -> LoadingModel:
         layer_prefixes=prefixes() if callable(prefixes) else None,
         stage=getattr(engine, "stage_id", 0),
         stages=getattr(engine, "num_stages", 1),
+        frozen=frozenset(_frozen_keys(engine)),
     )
 
 
@@ -514,7 +515,7 @@ def _check_same_model(engine, saved: dict, path: Path, strict: bool, params: dic
     trainable = [n for n in missing if n not in frozen]
     if trainable:
         logger.warning(f"{path}: parameters not in the checkpoint keep their values: {trainable}")
-    if len(trainable) < len(missing) and dist.get_rank() == 0:
+    if len(trainable) < len(missing) and dist.get_rank(engine.group) == 0:  # once a stage
         logger.info(
             f"{path}: {len(missing) - len(trainable)} frozen parameters are not in the "
             "checkpoint (saved without them) and keep their values"
@@ -633,7 +634,13 @@ def _load_optimizer_state(engine, index: SegmentIndex, shards: list[dict], names
         segments = segments_of(engine.layout, names, run.start, run.end, splits)
         state.clear()
         state.update(_run_state(run, values, segments, index))
-    for group, saved in zip(optimizer.param_groups, shards[0]["param_groups"], strict=False):
+    saved_groups = shards[0]["param_groups"]
+    if len(saved_groups) != len(optimizer.param_groups):
+        # Saved before empty param groups were dropped (as DeepSpeed drops them): the groups
+        # no run belongs to go, so the others line up with this optimizer's.
+        used = {run["group"] for shard in shards for run in shard["runs"]}
+        saved_groups = [g for i, g in enumerate(saved_groups) if i in used]
+    for group, saved in zip(optimizer.param_groups, saved_groups, strict=False):
         group.update({k: v for k, v in saved.items() if k in group})  # this optimizer's keys
 
 

@@ -301,11 +301,8 @@ def read_checkpoint(folder: Path, loading=None, *, hashed: bool = False) -> tupl
     bytes are checked against their digests unless the caller did (``hashed``)."""
     from zerolap.checkpoint.deepspeed_format import is_deepspeed_checkpoint, read_deepspeed
 
-    def deepspeed():
-        return read_deepspeed(folder, loading)
-
     if not (folder / MODEL_FILE).is_file() and is_deepspeed_checkpoint(folder):
-        return deepspeed()  # stage 3: one model file per rank
+        return read_deepspeed(folder, loading)  # stage 3: one model file per rank
     if hashed:
         recorded = _recorded(folder)
         save = None if recorded is None else recorded[0]
@@ -313,7 +310,7 @@ def read_checkpoint(folder: Path, loading=None, *, hashed: bool = False) -> tupl
         save = verify(folder)
     saved = read(folder / MODEL_FILE, what="model states")
     if is_deepspeed_checkpoint(folder, saved):
-        return deepspeed()
+        return read_deepspeed(folder, loading)
     check_same_save(folder / MODEL_FILE, saved, save)
     save = save or saved.get("save")  # without checksums.json, the model file's save rules
     shards = []

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AliasChoices, Field
 
 from zerolap.config.errors import Problem
-from zerolap.config.section import ConfigSection, DeepSpeedOnly, is_set, is_true
+from zerolap.config.section import ConfigSection, DeepSpeedOnly, is_set
 
 __all__ = ["InnerTPConfig", "LayerSpec", "PartitionConfig", "TensorParallelConfig"]
 
@@ -112,7 +112,7 @@ class InnerTPConfig(ConfigSection):
     ``autotp_size``."""
 
     tp_size: int = Field(1, ge=1)
-    """1, or the same as ``autotp_size`` (DeepSpeed refuses any other)."""
+    """1, or the same as ``autotp_size`` (with AutoTP on, DeepSpeed refuses any other)."""
     tp_grain_size: Annotated[int, DeepSpeedOnly()] = 1
     """DeepSpeed's granularity for uneven splits, not active in its training either; zerolap
     splits evenly or names the layer that does not divide."""
@@ -164,10 +164,10 @@ class TensorParallelConfig(ConfigSection):
     """DeepSpeed's cross-entropy kernel for a vocabulary-parallel head."""
     injection_policy_tuple: Annotated[Any, DeepSpeedOnly(is_set, _POLICY)] = None
     """DeepSpeed's AutoTP injection policy."""
-    replace_with_kernel_inject: Annotated[bool, DeepSpeedOnly(is_true, _KERNELS)] = Field(
+    replace_with_kernel_inject: bool = Field(
         False, validation_alias=AliasChoices("kernel_inject", "replace_with_kernel_inject")
     )
-    """DeepSpeed's inference kernel injection."""
+    """DeepSpeed's inference kernel injection (true: refused)."""
 
     @property
     def overlap_mode(self) -> str:
@@ -181,8 +181,13 @@ class TensorParallelConfig(ConfigSection):
         if self.overlap == "off" and self.tp_overlap_comm:
             message = "overlap: off contradicts tp_overlap_comm: true; set one of them"
             problems.append(Problem(("overlap",), message))
+        if self.size == 1:  # DeepSpeed reads the rest only for AutoTP (``_advise``)
+            return problems
         if self.vocab_parallel_lm_head:
             problems.append(Problem(("vocab_parallel_lm_head",), _VOCAB_HEAD))
+        if self.replace_with_kernel_inject:
+            message = f"got True; zerolap does not implement this: {_KERNELS}"
+            problems.append(Problem(("kernel_inject",), message))
         if self.inner.tp_size not in (1, self.size):
             message = f"tp_size {self.inner.tp_size} does not match autotp_size ({self.size})"
             problems.append(Problem(("tp",), message))
@@ -196,11 +201,14 @@ class TensorParallelConfig(ConfigSection):
     def _advise(self) -> list[Problem]:
         if self.size > 1:
             return []
+        keys = ("tp_overlap_comm", "overlap", "partition_config", "preset_model")
         idle = [
             key
-            for key in ("tp_overlap_comm", "overlap", "partition_config", "preset_model")
+            for key in (*keys, "vocab_parallel_lm_head", "replace_with_kernel_inject")
             if key in self.model_fields_set and getattr(self, key) not in (None, False)
         ]
+        if self.inner.tp_size != 1:
+            idle.append("tp")
         if not idle:
             return []
         return [Problem(tuple(idle), "no effect without tensor_parallel.autotp_size > 1")]

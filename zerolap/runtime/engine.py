@@ -203,13 +203,17 @@ class ZerolapEngine(torch.nn.Module):
             swapped, buffers = self.optimizer.swapped_bytes(), self.optimizer.buffer_bytes()
             if self.global_rank == 0 and 0 < swapped <= buffers:
                 size = config.zero_optimization.sub_group_size
-                count = config.zero_optimization.offload_optimizer.buffer_count
                 logger.warning(
-                    f"zero_optimization.offload_optimizer.device 'nvme': its {count} buffers "
+                    f"zero_optimization.offload_optimizer.device 'nvme': its buffers "
                     f"({buffers / 2**20:,.2f} MiB, each the largest sub-group's state) are as "
                     f"large as the swapped state ({swapped / 2**20:,.2f} MiB), so offloading "
-                    "saves no memory here: lower offload_optimizer.buffer_count"
-                    + (f" or zero_optimization.sub_group_size (now {size:,})" if size else "")
+                    "saves no memory here: "
+                    + (
+                        f"lower zero_optimization.sub_group_size (now {size:,}), or "
+                        if size
+                        else ""
+                    )
+                    + "set offload_optimizer.buffer_count below the number of sub-groups"
                 )
             if self.plan.shard_params:
                 self.param_store.after_write_back.append(self.optimizer.reload_master)

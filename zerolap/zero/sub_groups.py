@@ -98,26 +98,28 @@ class GroupEntries:
 
     Stepped a sub-group (or a tier) at a time, the optimizer is called several times per step.
     torch's optimizers keep their counts per parameter and do not mind; one that counts in the
-    group (DeepSpeed's and apex's FusedAdam: ``group["step"] += 1``, the step its bias
+    group (apex's FusedAdam and optimizers like it: ``group["step"] += 1``, the step its bias
     correction uses) would count every call. Each call then starts from the entries of the
-    step's start, and the last call's leave them as one call would."""
+    step's start, and the last call's leave them as one call would. The entries are the same
+    objects again (a tensor learning rate a scheduler holds keeps working), their values put
+    back in place."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self.taken = [_entries(group) for group in optimizer.param_groups]
+        self.taken = [
+            {key: (value, _copy(value)) for key, value in group.items() if key != "params"}
+            for group in optimizer.param_groups
+        ]
 
     def restore(self) -> None:
         for group, taken in zip(self.optimizer.param_groups, self.taken, strict=True):
             for key in [k for k in group if k != "params" and k not in taken]:
                 del group[key]  # added by the call since (a first step's counter)
-            group.update(_entries(taken))
+            for key, (value, copy) in taken.items():
+                if isinstance(value, torch.Tensor):
+                    value.copy_(copy)  # a count advanced in place
+                group[key] = value
 
 
-def _entries(group: dict) -> dict:
-    """``group``'s entries but its parameters, tensors copied (a count kept in a tensor is
-    advanced in place)."""
-    return {
-        key: value.clone() if isinstance(value, torch.Tensor) else value
-        for key, value in group.items()
-        if key != "params"
-    }
+def _copy(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
