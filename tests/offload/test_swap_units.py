@@ -15,8 +15,7 @@ from zerolap.offload.optimizer_swap import Field, SwappedState
 from zerolap.offload.param_swap import ParamSwapPlan
 from zerolap.offload.swap_file import SwapError, SwapFile, aligned_empty
 from zerolap.zero.layout import OwnedRun
-from zerolap.zero.sub_groups import GroupEntries
-from zerolap.zero.sub_groups import split_runs
+from zerolap.zero.sub_groups import GroupEntries, split_runs
 
 
 def _filled(values: torch.Tensor) -> torch.Tensor:
