@@ -85,23 +85,16 @@ def pipeline_worker(case: str) -> None:
     import deepspeed.pipe as pipe
     import torch
 
-    from tests.checkpoint.deepspeed_0_19_8.pipe_model import (
-        CASES,
-        STEPS,
-        batches,
-        build_model,
-        client_optimizer,
-        ds_config,
-    )
+    from tests.checkpoint.deepspeed_0_19_8 import pipe_model as m
 
-    stage, stages, dp, client = CASES[case]
+    stage, stages, dp, client = m.CASES[case]
     deepspeed.init_distributed(dist_backend="gloo")
-    model = build_model(pipe, stages)
+    model = m.build_model(pipe, stages)
     engine, *_ = deepspeed.initialize(
         model=model,
         model_parameters=model.parameters(),
-        optimizer=client_optimizer(model) if client else None,
-        config=ds_config(stage, dp, client),
+        optimizer=m.client_optimizer(model) if client else None,
+        config=m.ds_config(stage, dp, client),
     )
     dp_rank = engine.grid.get_data_parallel_rank()
 
@@ -111,12 +104,12 @@ def pipeline_worker(case: str) -> None:
         torch.distributed.all_gather_object(every, mine)
         return {n: v for found in reversed(every) for n, v in found.items()}  # rank 0's last
 
-    for number in range(1, STEPS + 1):
-        engine.train_batch(batches(number, dp_rank))
+    for number in range(1, m.STEPS + 1):
+        engine.train_batch(m.batches(number, dp_rank))
     saved_params = params()
     ckpt = HERE / case / "ckpt"
     engine.save_checkpoint(str(ckpt), client_state={"client_key": 7})
-    next_loss = engine.train_batch(batches(STEPS + 1, dp_rank)).item()
+    next_loss = engine.train_batch(m.batches(m.STEPS + 1, dp_rank)).item()
     expected = {"next_loss": next_loss, "saved_params": saved_params, "params_after": params()}
     finish(case, ckpt, expected)
 
