@@ -414,3 +414,22 @@ def test_cpu_offload_on_a_cpu_host_is_said_once(ranks):
     assert notes[0].startswith("INFO: zero_optimization.offload_optimizer.device 'cpu'")
     assert "already live in host memory" in notes[0]
     assert notes[1].startswith("INFO: zero_optimization.offload_param.device 'cpu'")
+
+
+def offload_param_notes(directory: str, live: int | None) -> list[str]:
+    param = {"device": "nvme", "nvme_path": directory}
+    config = _config(3, param=param)
+    if live is not None:
+        config["zero_optimization"]["stage3_max_live_parameters"] = live
+    with captured_logs() as messages:
+        engine, *_ = zerolap.initialize(model=make_model(), config=config)
+    engine.destroy()
+    return [m for m in messages if "stage3_max_live_parameters" in m]
+
+
+def test_offload_param_with_everything_live_is_said(ranks, tmp_path):
+    # DeepSpeed's default lets the whole (small) model stay gathered: the swap then moves only
+    # the shard, which a user setting offload_param should hear.
+    notes = ranks(1).run(offload_param_notes, str(tmp_path), None)[0]
+    assert len(notes) == 1 and "covers the whole model" in notes[0], notes
+    assert ranks(1).run(offload_param_notes, str(tmp_path), 100)[0] == []

@@ -408,6 +408,19 @@ class ZerolapEngine(torch.nn.Module):
 
     def _build_fetcher(self) -> ParamFetcher:
         zero = self._config.zero_optimization
+        total = sum(getattr(p, "ds_numel", p.numel()) for p in self.units.params)
+        moved = self.offload.params is not None or self.offload.param_host is not None
+        if moved and zero.max_live_parameters >= total and self.global_rank == 0:
+            # DeepSpeed's default (1e9) lets a model that size stay gathered from one use to the
+            # next, so the shard is all that leaves memory: said, since it is not what the key
+            # is usually set for.
+            logger.warning(
+                f"zero_optimization.offload_param: stage3_max_live_parameters "
+                f"({zero.max_live_parameters:,}) covers the whole model ({total:,} elements), "
+                "so every gathered unit may stay in memory between its uses and only the shard "
+                "is offloaded; lower stage3_max_live_parameters and stage3_max_reuse_distance "
+                "to keep less gathered"
+            )
         return ParamFetcher(
             self.param_store,
             self.module,
