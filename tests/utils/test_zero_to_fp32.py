@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import inspect
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -94,3 +97,14 @@ def test_signatures_are_deepspeeds():
     ]  # fmt: skip
     with pytest.raises(ValueError, match="max_shard_size"):
         convert_zero_checkpoint_to_fp32_state_dict("x", "y", max_shard_size="lots")
+
+
+def test_the_command_lists_each_tensor_with_debug(tmp_path):
+    # DeepSpeed's script takes -d / --debug; here it lists every tensor written.
+    ckpt = Path(__file__).parents[1] / "checkpoint" / "deepspeed_0_19_8" / "s1_ws2" / "ckpt"
+    command = [sys.executable, "-m", "zerolap.utils.zero_to_fp32", str(ckpt), str(tmp_path)]
+    quiet = subprocess.run(command, capture_output=True, text=True, timeout=120, check=True)
+    loud = subprocess.run([*command, "-d"], capture_output=True, text=True, timeout=120, check=True)
+    listed = "pytorch_model.bin: fc1.weight (37, 13)"
+    assert listed in loud.stderr + loud.stdout
+    assert listed not in quiet.stderr + quiet.stdout

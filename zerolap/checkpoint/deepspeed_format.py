@@ -418,11 +418,11 @@ def _layer_files(folder: Path) -> dict[int, Path]:
 
 def _stage_files(folder: Path) -> list[dict]:
     """Each pipeline stage's model states, in stage order, all of them."""
-    paths = sorted(
-        folder.glob("mp_rank_*_model_states.pt"),
-        key=lambda p: int(re.search(r"mp_rank_(\d+)_", p.name).group(1)),
+    numbered = sorted(
+        (int(re.search(r"mp_rank_(\d+)_", p.name).group(1)), p)
+        for p in folder.glob("mp_rank_*_model_states.pt")
     )
-    numbers = [int(re.search(r"mp_rank_(\d+)_", p.name).group(1)) for p in paths]
+    numbers, paths = [n for n, _ in numbered], [p for _, p in numbered]
     models = [_load(path) for path in paths]
     dims = (models[0].get("checkpoint_parallel_dimensions") or {}) if models else {}
     stages = dims.get("pp_degree", len(paths))

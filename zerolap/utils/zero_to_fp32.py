@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -105,6 +106,8 @@ def convert_zero_checkpoint_to_fp32_state_dict(
         else:
             torch.save(shard, output_dir / name)
         weight_map |= dict.fromkeys(keys, name)
+        for key in keys:
+            logger.debug(f"{name}: {key} {tuple(state_dict[key].shape)}")
     if len(groups) > 1:
         total = sum(t.numel() * t.element_size() for t in state_dict.values())
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -132,8 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--safe_serialization", action="store_true", help="write safetensors")
     parser.add_argument("-t", "--tag", default=None, help="default: the one named in 'latest'")
     parser.add_argument("--exclude_frozen_parameters", action="store_true")
-    parser.add_argument("-d", "--debug", action="store_true", help="accepted, as DeepSpeed's")
+    parser.add_argument("-d", "--debug", action="store_true", help="list every tensor written")
     args = parser.parse_args(argv)
+    if args.debug:
+        logger.setLevel(logging.DEBUG)
     convert_zero_checkpoint_to_fp32_state_dict(
         args.checkpoint_dir,
         args.output_dir,

@@ -425,10 +425,10 @@ class ZeroOptimizer:
             for on_device in _by_device(grads).values():
                 torch._foreach_div_([grads[i] for i in on_device], divisor)
         failure = None
-        entries, calls = GroupEntries(self.inner), []
+        entries = GroupEntries(self.inner)
         try:
             for tier in self.tiers:
-                tier.step(lambda indices: self._step_runs(indices, grads, entries, calls))
+                tier.step(lambda indices: self._step_runs(indices, grads, entries))
         except Exception as error:
             if not self._swap_agreed:
                 raise
@@ -490,13 +490,11 @@ class ZeroOptimizer:
         """Whether this rank's own gradients are finite (no collective)."""
         return bool(self._finite(self._owned_grads()))
 
-    def _step_runs(self, indices, grads, entries: GroupEntries, calls: list) -> None:
+    def _step_runs(self, indices, grads, entries: GroupEntries) -> None:
         """One call of the inner optimizer on runs ``indices`` (those with a gradient: the
         others are skipped by every torch optimizer), then their 16-bit parameters. A further
         call in the same step sees the param groups' entries as the first did."""
-        if calls:
-            entries.restore()
-        calls.append(indices)
+        entries.before_call()
         for i in indices:
             self.views[i].grad = grads[i]
         self.inner.step()

@@ -110,6 +110,13 @@ class GroupEntries:
             {key: (value, _copy(value)) for key, value in group.items() if key != "params"}
             for group in optimizer.param_groups
         ]
+        self._called = False
+
+    def before_call(self) -> None:
+        """Before each call of ``step()`` in the step: the entries restored, but the first."""
+        if self._called:
+            self.restore()
+        self._called = True
 
     def restore(self) -> None:
         for group, taken in zip(self.optimizer.param_groups, self.taken, strict=True):
