@@ -32,13 +32,14 @@ from __future__ import annotations
 import itertools
 import math
 from collections import namedtuple
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as torch_dist
 
 import zerolap.comm as dist
 
 __all__ = [
+    "ExpertGroups",
     "Mesh",
     "ParallelDims",
     "PipeDataParallelTopology",
@@ -101,6 +102,18 @@ class ParallelDims:
     def pipe_ranks(self, data_rank: int, tensor_rank: int) -> list[int]:
         """The global ranks of one pipeline: stage 0, 1, ... at ``(data_rank, tensor_rank)``."""
         return [self.rank_of(p, data_rank, tensor_rank) for p in range(self.pipe)]
+
+    def expert_ranks(self, data_rank: int, ep_size: int, tensor_rank=0, pipe_rank=0) -> list[int]:
+        """The global ranks of the expert-parallel group of ``ep_size`` holding ``data_rank``."""
+        first = data_rank - data_rank % ep_size
+        return [self.rank_of(pipe_rank, d, tensor_rank) for d in range(first, first + ep_size)]
+
+    def expert_data_ranks(
+        self, data_rank: int, ep_size: int, tensor_rank=0, pipe_rank=0
+    ) -> list[int]:
+        """The global ranks holding the same experts as ``data_rank`` (every ``ep_size``-th)."""
+        first = data_rank % ep_size
+        return [self.rank_of(pipe_rank, d, tensor_rank) for d in range(first, self.data, ep_size)]
 
     def model_ranks(self, data_rank: int) -> list[int]:
         """The global ranks that together hold one copy of the model."""
@@ -232,6 +245,17 @@ def parallel_dims(topology: ParallelDims | ProcessTopology) -> ParallelDims:
     )
 
 
+@dataclass(frozen=True)
+class ExpertGroups:
+    """This rank's groups for expert parallelism of size ``size`` (``Mesh.expert_groups``)."""
+
+    size: int
+    expert_group: torch_dist.ProcessGroup  # exchanges tokens; holds the experts between them
+    expert_rank: int  # place in it: which of the experts this rank holds
+    data_group: torch_dist.ProcessGroup  # the ranks holding the same experts
+    data_rank: int  # place in it
+
+
 @dataclass
 class Mesh:
     """This rank's coordinates and groups. A group of the whole job is ``None`` (torch's
@@ -249,9 +273,46 @@ class Mesh:
     # pipeline, every stage's tensor group with one; None when the model is not split.
     model_group: torch_dist.ProcessGroup | None = None
 
+    # Expert parallelism's groups, by expert-parallel size, made on first request.
+    experts: dict[int, ExpertGroups] = field(default_factory=dict)
+
     def __post_init__(self) -> None:
         if self.model_group is None and self.dims.pipe == 1:
             self.model_group = self.tensor_group
+
+    def expert_groups(self, size: int) -> ExpertGroups:
+        """The expert-parallel and expert-data-parallel groups of ``size``, made on the first
+        request. Every rank must make the same requests in the same order (torch's
+        ``new_group`` is collective)."""
+        if size in self.experts:
+            return self.experts[size]
+        dims = self.dims
+        if size < 1 or dims.data % size:
+            raise ValueError(
+                f"MoE ep_size={size} does not divide the data-parallel size {dims.data}: each "
+                "expert-parallel group is a run of ep_size data-parallel ranks"
+            )
+        mine = {}
+        for p, t in sorted({(p, t) for p, _, t in map(dims.coordinates, range(dims.world_size))}):
+            for d in range(0, dims.data, size):
+                ranks = dims.expert_ranks(d, size, t, p)
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    mine["expert"] = group
+            for d in range(size):
+                ranks = dims.expert_data_ranks(d, size, t, p)
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    mine["data"] = group
+        made = ExpertGroups(
+            size,
+            mine["expert"],
+            self.data_rank % size,
+            mine["data"],
+            self.data_rank // size,
+        )
+        self.experts[size] = made
+        return made
 
     @property
     def pipe_rank(self) -> int:

@@ -217,8 +217,8 @@ def test_experts_are_marked_for_their_own_optimizer_groups():
 
 
 def test_what_zerolap_does_not_run_is_refused_by_name():
-    with pytest.raises(NotImplementedError, match="MoE ep_size=2: zerolap has no expert"):
-        MoE(8, Expert(8), num_experts=4, ep_size=2)
+    with pytest.raises(RuntimeError, match="ep_size=2 run before zerolap.initialize"):
+        MoE(8, Expert(8), num_experts=4, ep_size=2)(torch.zeros(3, 8))
     with pytest.raises(ValueError, match="num_experts=3 must be a multiple of ep_size=2"):
         MoE(8, Expert(8), num_experts=3, ep_size=2)
     with pytest.raises(NotImplementedError, match="enable_expert_tensor_parallelism"):
@@ -240,12 +240,12 @@ class MoEModel(torch.nn.Module):
     """Embedding, a residual top-1 MoE, a top-2 MoE, a head; returns the loss with 0.01 x the
     layers' balance losses."""
 
-    def __init__(self) -> None:
+    def __init__(self, ep_size: int = 1) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.embed = torch.nn.Embedding(VOCAB, WIDTH)
-        self.moe1 = MoE(WIDTH, Expert(WIDTH), 4, k=1, use_rts=False, use_residual=True)
-        self.moe2 = MoE(WIDTH, Expert(WIDTH), 4, k=2, top2_2nd_expert_sampling=False)
+        self.moe1 = MoE(WIDTH, Expert(WIDTH), 4, ep_size, k=1, use_rts=False, use_residual=True)
+        self.moe2 = MoE(WIDTH, Expert(WIDTH), 4, ep_size, k=2, top2_2nd_expert_sampling=False)
         self.head = torch.nn.Linear(WIDTH, VOCAB)
 
     def forward(self, tokens, targets):

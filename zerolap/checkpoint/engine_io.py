@@ -21,6 +21,11 @@ name ranges of the *whole* parameter (``Split.full_ranges``), each tensor rank s
 pieces, so a checkpoint resumes at another tensor-parallel size (or none) and consolidates to
 the dense model's state dict.
 
+Under expert parallelism a rank's experts are named by their global index
+(``moe.layer.global_expert_names``): each rank saves its own experts' pieces, rank 0's model
+states merge its expert-parallel group's experts, and a run resumes at another ``ep_size`` (or
+none) and consolidates to the state dict of the model with every expert in one process.
+
 A pipeline's stages hold different layers under the whole model's names (``zerolap.pipe``):
 each saves its own pieces, rank 0's model states merge every stage's, and a load checks the
 checkpoint against the whole model, so a pipeline run resumes at another number of stages, or
@@ -64,6 +69,7 @@ from zerolap.checkpoint.shards import (
     rng_state,
     segments_of,
 )
+from zerolap.moe.layer import global_expert_names
 from zerolap.utils.logging import logger
 from zerolap.zero.status import full_shape
 
@@ -92,10 +98,17 @@ def _managed(engine) -> list[torch.nn.Parameter]:
 
 
 def _first_names(engine) -> dict[int, str]:
+    renamed = global_expert_names(engine.module)
     names = {}
     for name, param in engine.module.named_parameters():
-        names.setdefault(id(param), name)
+        names.setdefault(id(param), renamed.get(name, name))
     return names
+
+
+def _states(engine) -> dict[str, torch.Tensor]:
+    """The module's state dict (tensors as they are), experts under their global names."""
+    renamed = global_expert_names(engine.module)
+    return {renamed.get(k, k): t for k, t in engine.module.state_dict(keep_vars=True).items()}
 
 
 def managed_names(engine) -> list[str]:
@@ -107,11 +120,7 @@ def managed_names(engine) -> list[str]:
 def _aliases(engine) -> dict[str, str]:
     """state_dict key -> managed parameter name (tied weights have several keys)."""
     by_id = dict(zip((id(p) for p in _managed(engine)), managed_names(engine), strict=True))
-    return {
-        key: by_id[id(t)]
-        for key, t in engine.module.state_dict(keep_vars=True).items()
-        if id(t) in by_id
-    }
+    return {key: by_id[id(t)] for key, t in _states(engine).items() if id(t) in by_id}
 
 
 def _client_groups(engine) -> list[list[tuple[str, bool]]] | None:
@@ -131,8 +140,7 @@ def _frozen(param) -> bool:
 
 def _frozen_keys(engine) -> list[str]:
     """state_dict keys of frozen parameters (consolidation can leave them out)."""
-    states = engine.module.state_dict(keep_vars=True)
-    return [key for key, tensor in states.items() if _frozen(tensor)]
+    return [key for key, tensor in _states(engine).items() if _frozen(tensor)]
 
 
 def _shard_runs(engine, names: list[str], exclude_frozen: bool) -> list[dict]:
@@ -144,6 +152,11 @@ def _shard_runs(engine, names: list[str], exclude_frozen: bool) -> list[dict]:
     splits = _splits(engine, names)
     if optimizer is not None and (engine.plan.shard_optimizer or engine.mesh.data_rank == 0):
         runs = collect_runs(optimizer, engine.layout, names, splits)
+    elif optimizer is not None and engine.mesh.data_rank < engine.ep_size:
+        # Stage 0 under expert parallelism: the first rank holding each set of experts.
+        buckets = engine.layout.buckets
+        experts = {i for i, r in enumerate(optimizer.runs) if buckets[r.bucket].stride > 1}
+        runs = collect_runs(optimizer, engine.layout, names, splits, only=experts)
     if engine.plan.shard_params:
         store = engine.param_store
         owned = store.layout.owned_ranges(dist.get_rank(engine.group))
@@ -176,7 +189,7 @@ def _module_states(engine, aliases: dict[str, str], exclude_frozen: bool) -> dic
     ``stage3_gather_16bit_weights_on_model_save``, which saves the whole 16-bit weights).
     Tensor-parallel pieces are empty placeholders: the optimizer shards hold them."""
     if not engine.plan.shard_params:
-        states = engine.module.state_dict(keep_vars=True)
+        states = _states(engine)
         return {
             k: torch.empty(0, dtype=t.dtype) if getattr(t, "tp_split", None) else t.detach()
             for k, t in states.items()
@@ -186,17 +199,47 @@ def _module_states(engine, aliases: dict[str, str], exclude_frozen: bool) -> dic
         return full_state_dict(engine.module, exclude_frozen=exclude_frozen)
     return {
         key: torch.empty(0, dtype=t.dtype) if key in aliases else t.detach()
-        for key, t in engine.module.state_dict(keep_vars=True).items()
+        for key, t in _states(engine).items()
         if not (exclude_frozen and _frozen(t))
     }
 
 
+def _holders(engine):
+    """The group whose ranks hold the other parts of this rank's copy of the model: its
+    pipeline, or the expert-parallel group holding the other experts; None when it holds it
+    all."""
+    if engine.ep_size > 1:
+        return engine.mesh.expert_groups(engine.ep_size).expert_group
+    return engine.mesh.pipe_group
+
+
+def _own_experts(engine, parts: dict) -> dict:
+    """``parts`` cut to this rank's experts (what the first rank of its expert-parallel group
+    lacks)."""
+    mine = set(global_expert_names(engine.module).values())
+    return {
+        "module": {k: v for k, v in parts["module"].items() if k in mine},
+        "names": [n for n in parts["names"] if n in mine],
+        "shapes": {n: v for n, v in parts["shapes"].items() if n in mine},
+        "aliases": {k: n for k, n in parts["aliases"].items() if k in mine},
+        "frozen": [k for k in parts["frozen"] if k in mine],
+    }
+
+
 def _whole_model(engine, parts: dict) -> list[dict] | None:
-    """``parts`` (what this rank knows of the model) from every stage of rank 0's pipeline,
-    gathered on rank 0 (None elsewhere); just ``[parts]`` without a pipeline."""
-    group = engine.mesh.pipe_group
+    """``parts`` (what this rank knows of the model) from every stage of rank 0's pipeline, or
+    every expert-parallel rank of its group, gathered on rank 0 (None elsewhere); just
+    ``[parts]`` when rank 0 holds it all."""
+    group = _holders(engine)
     if group is None:
         return [parts] if dist.get_rank() == 0 else None
+    if engine.ep_size > 1:
+        if engine.mesh.data_rank >= engine.ep_size:
+            return None  # another copy of the same experts
+        gathered = [None] * engine.ep_size if dist.get_rank() == 0 else None
+        sent = parts if dist.get_rank() == 0 else _own_experts(engine, parts)
+        dist.gather_object(sent, gathered, dst=0, group=group)
+        return gathered
     if engine.mesh.data_rank != 0 or engine.mesh.tensor_rank != 0:
         return None  # another pipeline's copy of the same layers
     gathered: list | None = [None] * engine.mesh.dims.pipe if dist.get_rank() == 0 else None
@@ -217,15 +260,20 @@ def _merged(stages: list[dict]) -> dict:
 
 
 def _model_shapes(engine) -> tuple[dict[str, tuple[int, ...]], set[str]]:
-    """The whole model's parameter shapes and state_dict keys (every stage's, in a pipeline:
-    one small all-gather over this rank's pipeline)."""
+    """The whole model's parameter shapes and state_dict keys (every stage's, in a pipeline,
+    every expert's under expert parallelism: one small all-gather over the ranks holding the
+    other parts)."""
     module = engine.module
-    shapes = {n: _dense_shape(p) for n, p in module.named_parameters(remove_duplicate=False)}
-    keys = set(module.state_dict(keep_vars=True))
-    group = engine.mesh.pipe_group
+    renamed = global_expert_names(module)
+    shapes = {
+        renamed.get(n, n): _dense_shape(p)
+        for n, p in module.named_parameters(remove_duplicate=False)
+    }
+    keys = set(_states(engine))
+    group = _holders(engine)
     if group is None:
         return shapes, keys
-    stages: list = [None] * engine.mesh.dims.pipe
+    stages: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(stages, (shapes, keys), group=group)
     return {n: s for part, _ in stages for n, s in part.items()}, set().union(
         *(k for _, k in stages)
@@ -533,9 +581,12 @@ def _load_module_states(
     """Buffers and unmanaged parameters; managed ones come from ``SavedParams``. Another
     pipeline stage's entries (in ``model_keys`` but not this module's) are its to load."""
     aliases = _aliases(engine)
-    own = set(engine.module.state_dict(keep_vars=True))
+    own = set(_states(engine))
+    # Experts are saved under their global names, and loaded under this rank's local ones.
+    renamed = global_expert_names(engine.module)
+    local = {g: k for k, g in renamed.items()}
     entries = {
-        k: v
+        local.get(k, k): v
         for k, v in saved["module"].items()
         if k not in saved["aliases"] and k not in aliases and (k in own or k not in model_keys)
     }
@@ -547,7 +598,8 @@ def _load_module_states(
             missing, unexpected = engine.module.load_state_dict(entries, strict=False)
     except RuntimeError as err:  # a buffer of another shape
         raise CheckpointError(f"{path} does not fit the model's module states: {err}") from None
-    missing = sorted(set(missing) - set(aliases) - set(saved["aliases"]))
+    missing = sorted({renamed.get(k, k) for k in missing} - set(aliases) - set(saved["aliases"]))
+    unexpected = sorted(renamed.get(k, k) for k in unexpected)
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"{path} is a checkpoint of another model: module states missing from it "

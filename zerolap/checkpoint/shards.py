@@ -73,11 +73,14 @@ def param_segments(name: str, numel: int, split) -> list[Segment]:
     return [Segment(name, a, b, offset) for a, b, offset in split.full_ranges(0, numel)]
 
 
-def collect_runs(optimizer, layout, names: list[str], splits: dict | None = None) -> list[dict]:
-    """This rank's runs: segments, fp32 values and optimizer state, as standalone tensors
-    (a saved view would drag its whole flat buffer into the file; swapped runs are read in)."""
+def collect_runs(
+    optimizer, layout, names: list[str], splits: dict | None = None, only: set[int] | None = None
+) -> list[dict]:
+    """This rank's runs (or those ``only`` names): segments, fp32 values and optimizer state,
+    as standalone tensors (a saved view would drag its whole flat buffer into the file;
+    swapped runs are read in)."""
     runs: dict[int, dict] = {}
-    for i, values, state in optimizer.visit_runs():
+    for i, values, state in optimizer.visit_runs(only=only):
         run = optimizer.runs[i]
         runs[i] = {
             "group": run.group,

@@ -1,12 +1,12 @@
-"""``deepspeed.moe``: the mixture-of-experts layer (``layer.MoE``, its gates in ``gating``) and
-the parameter-group helpers DeepSpeed's scripts import (``utils``).
+"""``deepspeed.moe``: the mixture-of-experts layer (``layer.MoE``, its gates in ``gating``), the
+all-to-all that carries tokens to experts spread over ranks (``exchange``), and the parameter
+helpers DeepSpeed's scripts import, with expert parallelism's set-up (``utils``).
 
-Every rank holds every expert (expert-parallel size 1). Experts split over ranks would need an
-all-to-all per layer, which zerolap does not have: ``MoE(ep_size > 1)`` is refused when the
-layer is built, and so is an expert parameter marked with a larger size at ``initialize``
-(``utils.check_expert_params``).
+With ``ep_size`` E above 1 each rank holds ``num_experts / E`` experts of its expert-parallel
+group (``zerolap.topology``); the engine reduces and shards them over the ranks holding the same
+experts.
 """
 
-from zerolap.moe import gating, layer, utils
+from zerolap.moe import exchange, gating, layer, utils
 
-__all__ = ["gating", "layer", "utils"]
+__all__ = ["exchange", "gating", "layer", "utils"]

@@ -13,7 +13,9 @@ Each function takes the gate's logits for S tokens over E experts (fp32) and ret
 
 A token an expert has no room for is dropped from that expert (its weight there is zero; with
 k = 1 the layer's output for it is zero, a residual connection outside the layer carries it).
-With ``drop_tokens=False`` the capacity grows to the busiest expert's count, so none is.
+With ``drop_tokens=False`` the capacity grows to the busiest expert's count, so none is; under
+expert parallelism (``ep_group``) to the busiest over the group, since every rank's buffers must
+be the same size for the all-to-all.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ __all__ = [
     "NOISY_GATE_POLICIES",
     "TopKGate",
     "capacity",
-    "refuse_expert_parallelism",
     "top1gating",
     "top2gating",
     "topkgating",
@@ -39,17 +40,6 @@ NOISY_GATE_POLICIES = (None, "None", "Jitter", "RSample")
 expert (``RSample``)."""
 
 JITTER = 1e-2
-
-
-def refuse_expert_parallelism(ep_size: int) -> None:
-    """Experts split over several ranks need an all-to-all per layer, which zerolap does not
-    have; one expert-parallel rank (every rank holds every expert) is what it runs."""
-    if ep_size > 1:
-        raise NotImplementedError(
-            f"MoE ep_size={ep_size}: zerolap has no expert parallelism (experts split over "
-            "ranks need an all-to-all per layer); use ep_size=1, which keeps every expert on "
-            "every rank"
-        )
 
 
 def capacity(tokens: int, experts: int, capacity_factor: float, min_capacity: int) -> int:
@@ -83,9 +73,12 @@ def _balance_loss(gates: torch.Tensor, first_choice: torch.Tensor) -> torch.Tens
     return torch.sum(gates.mean(dim=0) * first_choice.float().mean(dim=0)) * experts
 
 
-def _room_for_all(exp_counts: torch.Tensor, tokens: int) -> int:
-    # With one expert-parallel rank every rank routes its own tokens: no agreement needed.
-    return max(min(int(exp_counts.max()), tokens), 1)
+def _room_for_all(exp_counts: torch.Tensor, tokens: int, ep_group) -> int:
+    """Room for every token: the busiest expert's count, over the expert-parallel group."""
+    room = torch.tensor(max(min(int(exp_counts.max()), tokens), 1), device=exp_counts.device)
+    if ep_group is not None:
+        dist.all_reduce(room, op=dist.ReduceOp.MAX, group=ep_group)
+    return int(room)
 
 
 def top1gating(
@@ -96,6 +89,7 @@ def top1gating(
     noisy_gate_policy: str | None = None,
     drop_tokens: bool = True,
     use_rts: bool = True,
+    ep_group=None,
 ):
     """Each token to its most probable expert (with ``RSample``, the most probable after Gumbel
     noise), weighted by that probability. Over capacity, ``use_rts`` keeps a random choice of
@@ -113,7 +107,7 @@ def top1gating(
     if drop_tokens:
         room = capacity(tokens, experts, capacity_factor, min_capacity)
     else:
-        room = _room_for_all(exp_counts, tokens)
+        room = _room_for_all(exp_counts, tokens, ep_group)
     l_aux = _balance_loss(gates, mask)
     if use_rts:
         priority = mask * torch.rand(mask.shape, device=mask.device)
@@ -130,6 +124,7 @@ def top2gating(
     capacity_factor: float,
     min_capacity: int,
     drop_tokens: bool = True,
+    ep_group=None,
     top2_2nd_expert_sampling: bool = True,
 ):
     """Each token to its most probable expert and a second one (the next most probable, or with
@@ -149,7 +144,7 @@ def top2gating(
     if drop_tokens:
         room = capacity(tokens, experts, 2 * capacity_factor, min_capacity)
     else:
-        room = _room_for_all(exp_counts, tokens)
+        room = _room_for_all(exp_counts, tokens, ep_group)
     first = first * (slots_first < room)
     second = second * (slots_second < room)
     kept = first + second
@@ -166,6 +161,7 @@ def topkgating(
     capacity_factor: float,
     min_capacity: int,
     drop_tokens: bool = True,
+    ep_group=None,
     drop_policy: str = "probs",
 ):
     """Each token to its k most probable experts, weights renormalised over those it keeps.
@@ -180,7 +176,7 @@ def topkgating(
     exp_counts = mask.sum(dim=0).detach()
     l_aux = _balance_loss(gates, mask) / k
     if not drop_tokens:
-        room = _room_for_all(exp_counts, tokens)
+        room = _room_for_all(exp_counts, tokens, ep_group)
     else:
         room = capacity(tokens, experts, k * capacity_factor, min_capacity)
         if drop_policy == "probs":
@@ -207,7 +203,8 @@ class TopKGate(torch.nn.Module):
     """The gate: a bias-free linear map from the model's width to one logit per expert, in
     fp32, and the top-k routing above. ``capacity_factor`` while training,
     ``eval_capacity_factor`` in eval mode; ``noisy_gate_policy`` only while training (top-2's
-    sampled second expert, ``top2_2nd_expert_sampling``, in eval mode too, as in DeepSpeed)."""
+    sampled second expert, ``top2_2nd_expert_sampling``, in eval mode too, as in DeepSpeed).
+    ``ep_group``: the expert-parallel group, which the engine sets (``MOELayer._set_ep_group``)."""
 
     def __init__(
         self,
@@ -224,7 +221,6 @@ class TopKGate(torch.nn.Module):
         top2_2nd_expert_sampling: bool = True,
     ) -> None:
         super().__init__()
-        refuse_expert_parallelism(1 if ep_group is None else dist.get_world_size(ep_group))
         if noisy_gate_policy not in NOISY_GATE_POLICIES:
             raise ValueError(
                 f"noisy_gate_policy={noisy_gate_policy!r}: use one of {NOISY_GATE_POLICIES}"
@@ -242,6 +238,10 @@ class TopKGate(torch.nn.Module):
         self.drop_tokens = drop_tokens
         self.use_rts = use_rts
         self.top2_2nd_expert_sampling = top2_2nd_expert_sampling
+        self.ep_group = ep_group
+
+    def _set_ep_group(self, ep_group) -> None:
+        self.ep_group = ep_group
 
     def forward(self, tokens: torch.Tensor, used_token: torch.Tensor | None = None):
         """``tokens`` [S, model_dim] -> ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
@@ -256,10 +256,13 @@ class TopKGate(torch.nn.Module):
         if self.k == 1:
             return top1gating(
                 logits, factor, self.min_capacity, used_token, noise, self.drop_tokens,
-                self.use_rts,
+                self.use_rts, self.ep_group,
             )  # fmt: skip
         if self.k == 2:
             return top2gating(
-                logits, factor, self.min_capacity, self.drop_tokens, self.top2_2nd_expert_sampling
-            )
-        return topkgating(logits, self.k, factor, self.min_capacity, self.drop_tokens)
+                logits, factor, self.min_capacity, self.drop_tokens, self.ep_group,
+                self.top2_2nd_expert_sampling,
+            )  # fmt: skip
+        return topkgating(
+            logits, self.k, factor, self.min_capacity, self.drop_tokens, self.ep_group
+        )

@@ -1,22 +1,27 @@
-"""DeepSpeed's mixture-of-experts layer (``deepspeed.moe.layer.MoE``), every expert on every rank.
+"""DeepSpeed's mixture-of-experts layer (``deepspeed.moe.layer.MoE``), its experts spread over
+``ep_size`` ranks.
 
-``MoE(hidden_size, expert, num_experts, k=...)`` holds ``num_experts`` copies of ``expert`` and
-a gate (``zerolap.moe.gating``); each token goes to its k chosen experts' buffers (one einsum
-with the dispatch mask), the experts run on their buffers, and the outputs come back weighted by
-the gate (another einsum). ``forward`` returns ``(output, l_aux, exp_counts)``: the caller adds
-``l_aux`` (times a coefficient) to its loss to keep the experts' load even.
+``MoE(hidden_size, expert, num_experts, ep_size=..., k=...)`` holds ``num_experts / ep_size``
+copies of ``expert`` on each rank and a gate (``zerolap.moe.gating``) over all ``num_experts``;
+each token goes to its k chosen experts' buffers (one einsum with the dispatch mask), the
+buffers travel to the ranks holding their experts (``zerolap.moe.exchange``: one all-to-all
+over the expert-parallel group), the experts run on every rank's tokens at once, the outputs
+travel back (the reverse all-to-all) and come back weighted by the gate (another einsum).
+``forward`` returns ``(output, l_aux, exp_counts)``: the caller adds ``l_aux`` (times a
+coefficient) to its loss to keep the experts' load even.
+
+Expert-parallel rank e (its place in its group, ``zerolap.topology``) holds experts
+``e * L ... e * L + L - 1`` of the ``num_experts`` (L local ones), as in DeepSpeed. The groups
+are the engine's to make: ``initialize`` gives each layer its group, and a layer split over
+ranks refuses to run before that.
 
 The experts' parameters carry DeepSpeed's marks (``allreduce = False``, ``group_name =
-"ep_size_1"``), so ``moe.utils`` puts them in optimizer groups of their own. With one
-expert-parallel rank their gradients are averaged over the data-parallel group like any other
-parameter's, and ZeRO shards them like any other: stages 0-3 train such a model as one process
-does. Experts split over ranks (``ep_size`` above 1) are refused by name: they need an
-all-to-all per layer, which zerolap does not have.
-
-Parameter names are DeepSpeed's (``deepspeed_moe.gate.wg.weight``,
-``deepspeed_moe.experts.deepspeed_experts.<i>.*``), so state dicts line up with a DeepSpeed
-model's; checkpoints hold the experts with the other parameters (DeepSpeed writes them to
-per-expert files).
+"ep_size_<E>"``), so ``moe.utils`` puts them in optimizer groups of their own, and the engine
+reduces and shards them over the ranks holding the same experts (the expert-data-parallel
+group). Parameter names are DeepSpeed's (``deepspeed_moe.gate.wg.weight``,
+``deepspeed_moe.experts.deepspeed_experts.<i>.*``, i the local index); checkpoints name the
+experts by their global index (``global_expert_names``), so a run resumes at another
+``ep_size`` and consolidates to the state dict of the model with every expert on one rank.
 """
 
 from __future__ import annotations
@@ -25,19 +30,23 @@ import copy
 
 import torch
 
-from zerolap.moe.gating import (
-    TopKGate,
-    refuse_expert_parallelism,
-    top1gating,
-    top2gating,
-    topkgating,
-)
+from zerolap.moe.exchange import all_to_all
+from zerolap.moe.gating import TopKGate, top1gating, top2gating, topkgating
 from zerolap.utils.logging import warning_once
 from zerolap.zero import GatheredParameters
 
 # DeepSpeed keeps the layer and its gates in one module (``deepspeed.moe.sharded_moe``), which
 # the shim answers with this one: the gates are importable from here too.
-__all__ = ["Experts", "MOELayer", "MoE", "TopKGate", "top1gating", "top2gating", "topkgating"]
+__all__ = [
+    "Experts",
+    "MOELayer",
+    "MoE",
+    "TopKGate",
+    "global_expert_names",
+    "top1gating",
+    "top2gating",
+    "topkgating",
+]
 
 
 class Experts(torch.nn.Module):
@@ -54,6 +63,7 @@ class Experts(torch.nn.Module):
             copies = [copy.deepcopy(expert) for _ in range(num_local_experts)]
         self.deepspeed_experts = torch.nn.ModuleList(copies)
         self.num_local_experts = num_local_experts
+        self.first_expert = 0  # the global index of local expert 0 (set with the groups)
         for copied in self.deepspeed_experts:
             for param in copied.parameters():
                 param.allreduce = False
@@ -70,8 +80,8 @@ class Experts(torch.nn.Module):
 
 
 class MOELayer(torch.nn.Module):
-    """Gate, dispatch, experts, combine. ``forward(tokens, used_token=None)`` keeps the gate's
-    ``l_aux`` and ``exp_counts`` as attributes."""
+    """Gate, dispatch, exchange, experts, exchange back, combine. ``forward(tokens,
+    used_token=None)`` keeps the gate's ``l_aux`` and ``exp_counts`` as attributes."""
 
     def __init__(
         self,
@@ -83,7 +93,6 @@ class MOELayer(torch.nn.Module):
         use_tutel: bool = False,
     ) -> None:
         super().__init__()
-        refuse_expert_parallelism(ep_size)
         if use_tutel:
             warning_once(
                 "MoE use_tutel=True: zerolap has no Tutel kernels; tokens are dispatched with "
@@ -94,23 +103,46 @@ class MOELayer(torch.nn.Module):
         self.ep_group_name = ep_group_name
         self.ep_size = ep_size
         self.num_local_experts = num_local_experts
+        self.ep_group = None  # the expert-parallel group (``_set_ep_group``, by the engine)
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
 
+    def _set_ep_group(self, ep_group, ep_rank: int = 0) -> None:
+        """The expert-parallel group (DeepSpeed's name for the call) and this rank's place in
+        it, which says which experts it holds."""
+        self.ep_group = ep_group
+        self.gate._set_ep_group(ep_group)
+        self.experts.first_expert = ep_rank * self.num_local_experts
+
     def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        if self.ep_size > 1 and self.ep_group is None:
+            raise RuntimeError(
+                f"MoE layer with ep_size={self.ep_size} run before zerolap.initialize: its "
+                "experts are spread over an expert-parallel group, which the engine makes; run "
+                "the model through the engine initialize returns"
+            )
         hidden = inputs[0]
-        tokens = hidden.reshape(-1, hidden.shape[-1])
+        width = hidden.shape[-1]
+        tokens = hidden.reshape(-1, width)
         used_token = inputs[1] if len(inputs) > 1 else None
         self.l_aux, combine, dispatch, self.exp_counts = self.gate(tokens, used_token)
         # [E, C, width]: each expert's buffer of the tokens routed to it, zeros in empty slots.
         buffers = torch.einsum("sec,sm->ecm", dispatch.type_as(hidden), tokens)
-        outputs = self.experts(buffers[None]).reshape(buffers.shape)
+        if self.ep_size > 1:
+            # Block j (experts j*L ... j*L+L-1) to expert-parallel rank j; back come every
+            # rank's buffers for this rank's experts, [ranks * L, C, width] in rank order.
+            buffers = all_to_all(buffers, self.ep_group)
+        local = buffers.reshape(self.ep_size, self.num_local_experts, -1, width)
+        outputs = self.experts(local).reshape(buffers.shape)
+        if self.ep_size > 1:
+            outputs = all_to_all(outputs, self.ep_group)  # each block back where it came from
         combined = torch.einsum("sec,ecm->sm", combine.type_as(hidden), outputs)
         return combined.reshape(hidden.shape)
 
 
 class MoE(torch.nn.Module):
-    """DeepSpeed's ``MoE`` layer with ``ep_size=1``.
+    """DeepSpeed's ``MoE`` layer: ``num_experts`` experts, ``num_experts / ep_size`` of them on
+    each rank of an expert-parallel group of ``ep_size``.
 
     ``use_residual`` makes it a residual MoE (PR-MoE): ``expert`` itself also runs on every token
     as a dense MLP, and a learned two-way softmax mixes its output with the experts'.
@@ -174,3 +206,18 @@ class MoE(torch.nn.Module):
             mix = torch.softmax(self.coefficient(hidden_states), dim=-1)
             output = output * mix[..., 0:1] + dense * mix[..., 1:]
         return output, self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts
+
+
+def global_expert_names(module: torch.nn.Module) -> dict[str, str]:
+    """State-dict key -> the key the model with every expert on one rank gives it, for each
+    entry of an expert this rank holds as a local copy under expert parallelism (local copy i
+    of expert-parallel rank e is expert e * L + i); keys of other entries are absent."""
+    renamed = {}
+    for prefix, sub in module.named_modules():
+        if not isinstance(sub, Experts) or sub.first_expert == 0:
+            continue
+        base = f"{prefix}.deepspeed_experts." if prefix else "deepspeed_experts."
+        for key in sub.deepspeed_experts.state_dict(keep_vars=True):
+            local, rest = key.split(".", 1)
+            renamed[base + key] = f"{base}{sub.first_expert + int(local)}.{rest}"
+    return renamed

@@ -27,7 +27,11 @@ from zerolap import checkpointing
 from zerolap.accelerator import get_accelerator
 from zerolap.config import ConfigError, ZerolapConfig
 from zerolap.config.precision import torch_dtype
-from zerolap.moe.utils import check_expert_params
+from zerolap.moe.utils import (
+    expert_buffers,
+    expert_parallel_size,
+    set_up_expert_parallelism,
+)
 from zerolap.offload import plan_offload
 from zerolap.runtime.buffer_dtypes import fp32_buffers
 from zerolap.runtime.inputs import check_same_inputs
@@ -59,6 +63,17 @@ from zerolap.zero.units import plan_units
 __all__ = ["DeepSpeedEngine", "ZerolapEngine"]
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _runs_of_a_kind(items, kind) -> list[list]:
+    """``items`` cut into maximal runs of consecutive items of the same ``kind(item)``."""
+    runs: list[list] = []
+    for item in items:
+        if runs and kind(runs[-1][-1]) == kind(item):
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    return runs
 
 
 class _PhaseRecorders(list):
@@ -145,7 +160,12 @@ class ZerolapEngine(torch.nn.Module):
             config.zero_optimization.stage, reduce_scatter=config.zero_optimization.reduce_scatter
         )
         self._warn_unsupported()
-        check_expert_params(module)
+        # Expert parallelism: each MoE layer's groups, and the size of its experts' own
+        # partition (their buckets are reduced and sharded over the ranks holding the same
+        # experts, every ep_size-th data-parallel rank).
+        self.ep_size = set_up_expert_parallelism(
+            module, self.mesh, stage=config.zero_optimization.stage
+        )
         self.offload = plan_offload(
             config.zero_optimization, device=self.device, rank=self.global_rank
         )
@@ -218,7 +238,7 @@ class ZerolapEngine(torch.nn.Module):
             if self.plan.shard_params:
                 self.param_store.after_write_back.append(self.optimizer.reload_master)
             self.lr_scheduler = make_scheduler(self.optimizer.inner)
-            self._param_access = ParamAccess(self.optimizer, self.params)
+            self._param_access = ParamAccess(self.optimizer, self.params, self._bucket_groups())
             self.optimizer.parameter_offload = self.fetcher  # DeepSpeed's name (TRL reads it)
         self._optimizer_name = optimizer_name
         self.destroyed = False
@@ -373,38 +393,61 @@ class ZerolapEngine(torch.nn.Module):
                 unit_names=self.units.names,
             )
             return
+        strides = [expert_parallel_size(p) for p in self.params]
+        kinds = self._bucket_kinds()
+        if self.ep_size > 1:  # experts in buckets of their own
+            kinds = [(k, s) for k, s in zip(kinds or [None] * len(strides), strides, strict=True)]
         self.layout = build_layout(
             [p.numel() for p in self.params],
             bucket_numel=zero.reduce_bucket_size,
             world_size=self.world_size,
-            kinds=self._bucket_kinds(),
+            kinds=kinds,
+            strides=strides,
         )
         self.param_store = None
         if self.params:
             self.param_store = FlatParams(
                 self.params,
                 self.layout,
-                group=self.group,
+                groups=self._bucket_groups(),
                 rank=rank,
                 native=native,
                 sharded=self.plan.shard_optimizer and self.world_size > 1,
                 defer=zero.overlap_param_gather,
             )
 
+    def _bucket_groups(self) -> list:
+        """Per bucket of the layout, the group its chunks are spread over: the data-parallel
+        group, or for experts the ranks holding the same experts."""
+        experts = self.mesh.expert_groups(self.ep_size).data_group if self.ep_size > 1 else None
+        return [experts if b.stride > 1 else self.group for b in self.layout.buckets]
+
     def _broadcast_initial_state(self) -> None:
         """Every rank starts from rank 0's weights and buffers, as DeepSpeed and DDP do (stage
-        3's parameters were broadcast unit by unit as they were sharded)."""
+        3's parameters were broadcast unit by unit as they were sharded); experts spread over
+        ranks from the first rank holding the same ones."""
         if self.world_size == 1:
             return
         src = self._src_rank()
+        experts = self.mesh.expert_groups(self.ep_size).data_group if self.ep_size > 1 else None
+
+        def send(tensor, expert: bool) -> None:
+            if not expert:
+                dist.broadcast(tensor, src=src, group=self.group)
+            elif dist.get_world_size(experts) > 1:
+                dist.broadcast(tensor, src=dist.get_global_rank(experts, 0), group=experts)
+
         if isinstance(self.param_store, FlatParams):
-            dist.broadcast(self.param_store.flat, src=src, group=self.group)
+            flat, buckets = self.param_store.flat, self.layout.buckets
+            for run in _runs_of_a_kind(buckets, lambda b: b.stride > 1):
+                send(flat[run[0].start : run[-1].end], run[0].stride > 1)
         managed = {id(p) for p in self.params}
         for param in self.module.parameters():
             if id(param) not in managed and not is_sharded(param):
-                dist.broadcast(param.data, src=src, group=self.group)
+                send(param.data, expert_parallel_size(param) > 1)
+        held = expert_buffers(self.module)
         for buffer in self.module.buffers():
-            dist.broadcast(buffer.data, src=src, group=self.group)
+            send(buffer.data, id(buffer) in held)
 
     def _build_fetcher(self) -> ParamFetcher:
         zero = self._config.zero_optimization
@@ -459,11 +502,12 @@ class ZerolapEngine(torch.nn.Module):
             self.grads = FullGradients(
                 self.layout, dtype=param_dtype, comm_dtype=comm_dtype, device=device, pre=pre
             )
+        groups = self._bucket_groups()
         if self.plan.reduce_scatter:
             native = dist.get_backend(self.group) == "nccl"
-            reduction = ReduceScatterBuckets(self.group, rank, post=post, native=native)
+            reduction = ReduceScatterBuckets(groups, rank, post=post, native=native)
         else:
-            reduction = AllReduceBuckets(self.group, post=post)
+            reduction = AllReduceBuckets(groups, post=post)
         self.reducer = GradReducer(
             self.params,
             self.layout,
@@ -474,6 +518,18 @@ class ZerolapEngine(torch.nn.Module):
 
     def _build_optimizer(self, inner: torch.optim.Optimizer) -> ZeroOptimizer:
         rank = dist.get_rank(self.group)
+        sharded = self.plan.shard_optimizer and self.world_size > 1
+        model_group = self.mesh.model_group
+        counted = counted_in_norm(self.params, self.mesh, copies=self._tied_copies())
+        if self.ep_size > 1 and not sharded:
+            # Every rank steps all it holds, and its experts are its expert-parallel group's
+            # alone: the norm sums over that group, the other parameters counted once in it.
+            experts = self.mesh.expert_groups(self.ep_size)
+            model_group = experts.expert_group
+            counted = [
+                c and (experts.expert_rank == 0 or expert_parallel_size(p) > 1)
+                for c, p in zip(counted, self.params, strict=True)
+            ]
         if self.plan.shard_optimizer:
             owned = self.layout.owned_ranges(rank)
             shard_numel = self.layout.shard_numel
@@ -491,7 +547,7 @@ class ZerolapEngine(torch.nn.Module):
             owned_ranges=owned,
             to_shard=to_shard,
             shard_numel=shard_numel,
-            sharded=self.plan.shard_optimizer and self.world_size > 1,
+            sharded=sharded,
             group=self.group,
             clip=self._config.gradient_clipping,
             loss_scaler=self.loss_scaler,
@@ -500,8 +556,8 @@ class ZerolapEngine(torch.nn.Module):
             sub_group_size=self._config.zero_optimization.sub_group_size,
             swap=self.offload.optimizer,
             host=self.offload.host,
-            model_group=self.mesh.model_group,
-            counted=counted_in_norm(self.params, self.mesh, copies=self._tied_copies()),
+            model_group=model_group,
+            counted=counted,
             low_precision_master=self._config.bf16.bf16_master_weights_and_grads,
         )
 

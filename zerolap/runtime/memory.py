@@ -10,6 +10,9 @@ weights (the optimizer steps on the flat parameter buffer itself), so ``expected
 same formula with m = 0 in fp32: 16, 8 + 8/N, 4 + 12/N. With bf16 masters
 (``bf16.bf16_master_weights_and_grads``) likewise m = 0, with bf16 gradients and state.
 
+Under expert parallelism the experts a rank holds are sharded over the ranks holding the same
+experts (N / ep_size of them), so their share of the formula takes that N.
+
 Offload to disk (``device: nvme``) moves part of that out of memory: ``swapped_bytes`` is what
 the swap files hold (optimizer state and master values, stage-3 parameter shards), and the
 buffers it streams through are ``swap_buffer_bytes``. ``total_bytes`` counts what stays
@@ -28,6 +31,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from zerolap.moe.utils import expert_parallel_size
 from zerolap.profiling.estimate import Precision, bytes_per_param
 from zerolap.zero.status import full_numel
 
@@ -68,6 +72,7 @@ def measure_memory(engine) -> MemoryBreakdown:
     are the model's own, counted here as whole)."""
     store, grads, optimizer = engine.param_store, engine.grads, engine.optimizer
     numel = sum(full_numel(p) for p in engine.params)
+    experts = sum(full_numel(p) for p in engine.params if expert_parallel_size(p) > 1)
     dtype = store.dtype if store is not None else next(engine.module.parameters()).dtype
     param_bytes = torch.empty((), dtype=dtype).element_size()
     mixed = param_bytes < 4
@@ -80,7 +85,8 @@ def measure_memory(engine) -> MemoryBreakdown:
 
     def formula(master: int) -> float:
         precision = Precision(param=param_bytes, grad=grad_bytes, master=master, state=state_bytes)
-        return numel * bytes_per_param(stage, n, precision)
+        spread = bytes_per_param(stage, n // engine.ep_size, precision) if experts else 0
+        return (numel - experts) * bytes_per_param(stage, n, precision) + experts * spread
 
     # DeepSpeed keeps a master copy except in fp32 at stage 0; for bf16 masters a bf16 one at
     # stages 1-2, none at stage 3 (it steps the partitioned parameters themselves).

@@ -1,9 +1,11 @@
 """Stages 0-2: parameters moved into one contiguous buffer, each ``param.data`` a view into it.
 
 Every rank holds every parameter; after a sharded optimizer step each bucket is all-gathered
-from the owners of its chunks (``publish``). With ``defer`` the gathers are left in flight, to
-be waited by the first module that uses each bucket (``zero.in_flight``); ``settle()`` waits for
-all of them, and every method here that reads or writes the values calls it first.
+from the owners of its chunks (``publish``), over the group its chunks are spread over (the
+data-parallel group; an expert bucket's expert-data-parallel group). With ``defer`` the
+gathers are left in flight, to be waited by the first module that uses each bucket
+(``zero.in_flight``); ``settle()`` waits for all of them, and every method here that reads or
+writes the values calls it first.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class FlatParams:
         params: list[torch.nn.Parameter],
         layout: FlatLayout,
         *,
-        group,
+        groups: list,
         rank: int,
         native: bool,
         sharded: bool,
@@ -51,7 +53,8 @@ class FlatParams:
     ) -> None:
         first = params[0]
         self.layout = layout
-        self.group, self.rank, self.native = group, rank, native
+        self.groups = groups  # per bucket, the group its chunks are spread over
+        self.rank, self.native = rank, native
         self.sharded = sharded  # whether the optimizer updates only this rank's chunks
         self.params = params  # in layout slot order
         # Leave the gathers in flight after publish() (only plain parameters: the in-flight
@@ -101,7 +104,7 @@ class FlatParams:
             for b in reversed(self.layout.buckets):
                 region = self.flat[b.start : b.end]
                 self._in_flight[b.index] = all_gather_bucket(
-                    region, b, rank=self.rank, group=self.group, native=self.native
+                    region, b, rank=self.rank, group=self.groups[b.index], native=self.native
                 )
         except BaseException as error:
             # The buckets never launched hold stale chunks: waiting for them raises this error,

@@ -13,6 +13,10 @@ Layout (Megatron's distributed-optimizer scheme):
   its own) and is padded to a multiple of the world size.
 * Rank r owns chunk r of every bucket: a reduce-scatter of a bucket hands each rank exactly its
   chunk, and an all-gather of the bucket rebuilds the parameters from the owners' chunks.
+* A bucket of expert parameters (``zerolap.moe`` with expert parallelism E) is held alike only by
+  every E-th rank (its expert-data-parallel group): it is cut into world_size / E chunks, and
+  rank r owns chunk r // E of it (``stride`` E). Its chunk and padding sizes differ from a dense
+  bucket's, which is why a shard's size is summed bucket by bucket.
 
 A rank's *shard* is its chunks concatenated in bucket order; ``shard_offset`` maps them there.
 """
@@ -48,7 +52,8 @@ class BucketLayout:
     start: int  # flat offset of the first element
     end: int  # flat offset one past the padding
     slots: tuple[int, ...]  # indices of its params
-    world_size: int
+    world_size: int  # the ranks its chunks are spread over
+    stride: int = 1  # rank r owns chunk r // stride (expert buckets: the expert-parallel size)
 
     @property
     def numel(self) -> int:
@@ -59,8 +64,8 @@ class BucketLayout:
         return self.numel // self.world_size
 
     def chunk(self, rank: int) -> tuple[int, int]:
-        """Flat ``(start, end)`` of the chunk owned by ``rank``."""
-        start = self.start + rank * self.chunk_numel
+        """Flat ``(start, end)`` of the chunk owned by data-parallel ``rank``."""
+        start = self.start + rank // self.stride * self.chunk_numel
         return start, start + self.chunk_numel
 
 
@@ -88,7 +93,7 @@ class FlatLayout:
 
     @property
     def shard_numel(self) -> int:
-        return self.numel // self.world_size
+        return sum(b.chunk_numel for b in self.buckets)
 
     def prefix(self, buckets: int) -> FlatLayout:
         """The first ``buckets`` buckets and their parameters: the same flat offsets and shard
@@ -158,42 +163,53 @@ def build_layout(
     bucket_numel: int,
     world_size: int,
     kinds: Sequence[Hashable] | None = None,
+    strides: Sequence[int] | None = None,
 ) -> FlatLayout:
     """Lay out parameters of ``numels`` (already in gradient-ready order) into buckets of about
     ``bucket_numel`` elements, each padded to a multiple of ``world_size``. A bucket holds
     parameters of one kind only (``kinds[i]``, all alike if None): a pipeline gives a tied
     weight a kind of its own (its chunks are then the same elements on every stage that holds
     it, whatever else each stage holds) and each virtual stage's parameters theirs (reduced
-    after that chunk's backward alone)."""
+    after that chunk's backward alone); expert parameters are a kind per expert group, whose
+    buckets are spread over world_size / ``strides[i]`` ranks (1 for every other kind)."""
     if bucket_numel <= 0:
         raise ValueError(f"reduce_bucket_size must be positive, got {bucket_numel}")
     groups: list[list[int]] = []
+    group_strides: list[int] = []
     size = 0
     for index, numel in enumerate(numels):
         new_kind = kinds is not None and index > 0 and kinds[index] != kinds[index - 1]
         if not groups or (groups[-1] and (size + numel > bucket_numel or new_kind)):
             groups.append([])
+            group_strides.append(strides[index] if strides is not None else 1)
             size = 0
         groups[-1].append(numel)
         size += numel
-    return layout_from_groups(groups, world_size=world_size)
+    return layout_from_groups(groups, world_size=world_size, strides=group_strides)
 
 
-def layout_from_groups(groups: list[list[int]], *, world_size: int) -> FlatLayout:
+def layout_from_groups(
+    groups: list[list[int]], *, world_size: int, strides: Sequence[int] | None = None
+) -> FlatLayout:
     """One bucket per group of parameter sizes (stage 3: one per module), each padded to a
-    multiple of ``world_size``; parameters are numbered in order across groups."""
+    multiple of the ranks it is spread over (``world_size`` / ``strides[g]``, all of them if
+    None); parameters are numbered in order across groups."""
     if world_size <= 0:
         raise ValueError(f"world_size must be positive, got {world_size}")
     slots: list[ParamSlot] = []
     buckets: list[BucketLayout] = []
     start = 0
-    for group in groups:
+    for g, group in enumerate(groups):
+        stride = strides[g] if strides is not None else 1
+        if world_size % stride:
+            raise ValueError(f"bucket {g}: stride {stride} does not divide {world_size} ranks")
+        spread = world_size // stride
         offset, members = start, []
         for numel in group:
             slots.append(ParamSlot(len(slots), offset, numel, len(buckets)))
             members.append(len(slots) - 1)
             offset += numel
-        end = start + -(-(offset - start) // world_size) * world_size
-        buckets.append(BucketLayout(len(buckets), start, end, tuple(members), world_size))
+        end = start + -(-(offset - start) // spread) * spread
+        buckets.append(BucketLayout(len(buckets), start, end, tuple(members), spread, stride))
         start = end
     return FlatLayout(tuple(slots), tuple(buckets), world_size)

@@ -7,8 +7,9 @@ can find the shards.
 
 A parameter's elements are the flat range ``[offset, offset + numel)``. Each rank holds the
 optimizer runs it owns (``zero.layout``); a full value is assembled from the owned pieces into a
-zero tensor and summed over the data-parallel group, so every element comes from its one
-owner (stage 0 owns everything: no communication). The getters are collectives whenever the
+zero tensor and summed over the group its bucket is spread over (the data-parallel group; for
+an expert spread over ranks, the ranks holding the same experts), so every element comes from
+its one owner (stage 0 owns everything: no communication). The getters are collectives whenever the
 optimizer is sharded, and so are the setters (the updated parameter is published to every
 rank): call them on every rank, as in DeepSpeed.
 
@@ -29,8 +30,9 @@ __all__ = ["ParamAccess", "access_of"]
 
 
 class ParamAccess:
-    def __init__(self, optimizer, params: list[torch.nn.Parameter]) -> None:
+    def __init__(self, optimizer, params: list[torch.nn.Parameter], groups: list) -> None:
         self.optimizer = optimizer
+        self.groups = groups  # per bucket of the layout, the group its chunks are spread over
         self.slot_of = {id(p): slot for slot, p in enumerate(params)}
         ref = weakref.ref(self)
         for param in params:
@@ -58,9 +60,10 @@ class ParamAccess:
         """The parameter's elements from ``tensors`` (``(run index, tensor or None)`` for the
         runs in ``pieces``), summed over the ranks that share the optimizer."""
         opt = self.optimizer
+        group = self.groups[opt.layout.slots[self.slot_of[id(param)]].bucket]
         # Assembled where the group's collectives take tensors (the device under NCCL),
         # returned on the CPU.
-        device = dist.buffer_device(opt.group) if opt.sharded else torch.device("cpu")
+        device = dist.buffer_device(group) if opt.sharded else torch.device("cpu")
         numel = param.ds_numel if hasattr(param, "ds_numel") else param.numel()
         out = torch.zeros(numel, device=device)
         found = False
@@ -70,9 +73,9 @@ class ParamAccess:
                 out[param_at : param_at + count] = tensor[run_at : run_at + count].float()
                 found = True
         if opt.sharded:
-            dist.all_reduce(out, group=opt.group)
+            dist.all_reduce(out, group=group)
             flag = torch.tensor([float(found)], device=device)
-            dist.all_reduce(flag, op="max", group=opt.group)
+            dist.all_reduce(flag, op="max", group=group)
             found = flag.item() > 0
         shape = param.ds_shape if hasattr(param, "ds_shape") else param.shape
         return out.cpu().view(shape) if found else None

@@ -10,6 +10,11 @@ Both average: gradients are multiplied by a *pre* factor before the sum and the 
 *post* factor after (``scale_factors``). The pre factor is applied by the gradient storage as
 it writes each gradient into its bucket (the copy it makes anyway), so it costs no pass of its
 own; a reduction only applies the post factor, and skips it when it is 1.
+
+Each bucket is reduced over the group its chunks are spread over (``groups[bucket]``): the
+data-parallel group, or for an expert bucket its expert-data-parallel group. The factors are the
+same for both (1 / the data-parallel size): an expert's gradient on one rank already sums what
+the tokens of its whole expert-parallel group contributed.
 """
 
 from __future__ import annotations
@@ -58,11 +63,12 @@ def _scale(tensor: torch.Tensor, factor: float) -> None:
 
 
 class AllReduceBuckets:
-    def __init__(self, group, *, post: float) -> None:
-        self.group, self.post = group, post
+    def __init__(self, groups: list, *, post: float) -> None:
+        self.groups, self.post = groups, post
 
     def launch(self, bucket: Bucket, buffer: torch.Tensor) -> Launched:
-        handle = dist.all_reduce(buffer, group=self.group, async_op=True)
+        group = self.groups[bucket.layout.index]
+        handle = dist.all_reduce(buffer, group=group, async_op=True)
 
         def result():
             _scale(buffer, self.post)
@@ -72,20 +78,21 @@ class AllReduceBuckets:
 
 
 class ReduceScatterBuckets:
-    def __init__(self, group, rank: int, *, post: float, native: bool) -> None:
-        self.group, self.rank, self.post = group, rank, post
+    def __init__(self, groups: list, rank: int, *, post: float, native: bool) -> None:
+        self.groups, self.rank, self.post = groups, rank, post
         self.native = native  # NCCL's reduce-scatter is bandwidth-optimal; gloo's is not
 
     def launch(self, bucket: Bucket, buffer: torch.Tensor) -> Launched:
         start, end = bucket.layout.chunk(self.rank)
         offset = start - bucket.layout.start
+        group = self.groups[bucket.layout.index]
         if self.native:
             out = torch.empty(end - start, dtype=buffer.dtype, device=buffer.device)
-            handle = dist.reduce_scatter_tensor(out, buffer, group=self.group, async_op=True)
+            handle = dist.reduce_scatter_tensor(out, buffer, group=group, async_op=True)
         else:
-            # The ring leaves chunk r of the bucket holding rank r's reduction.
+            # The ring leaves chunk r of the bucket holding group rank r's reduction.
             out = buffer[offset : offset + end - start]
-            handle = dist.ring_reduce_scatter(buffer, group=self.group, async_op=True)
+            handle = dist.ring_reduce_scatter(buffer, group=group, async_op=True)
 
         def result():
             _scale(out, self.post)
