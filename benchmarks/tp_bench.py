@@ -47,7 +47,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.zero_bench import ENV, spawn
+from benchmarks.zero_bench import ENV, parse_in_rounds, spawn
 from zerolap.profiling.overlap import Exposure
 from zerolap.tensor_parallel.mappings import BACKWARD, FORWARD
 
@@ -262,10 +262,6 @@ def x_kib(args) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 round of 2 steps")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--d-model", type=int, default=128)
@@ -273,9 +269,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    args = parser.parse_args()
-    if args.quick:
-        args.rounds, args.steps, args.warmup = 1, 2, 1
+    args = parse_in_rounds(parser)
     os.environ.update(ENV)
     probe = spawn(2, _rank_main, ("probe", args))[0]
     runs: dict[str, list[dict]] = {s: [] for s in args.systems}

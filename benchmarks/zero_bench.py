@@ -484,6 +484,19 @@ def _spawn(spec: RunSpec, system: System) -> list[RankResult]:
     return spawn(spec.world_size, _rank_main, (spec, system))
 
 
+def parse_in_rounds(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """``parser``'s arguments, with those of a benchmark that alternates its systems in rounds
+    of fresh processes (``--quick``: 1 round of 2 steps after 1 warm-up)."""
+    parser.add_argument("--quick", action="store_true", help="1 round of 2 steps")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=2)
+    args = parser.parse_args()
+    if args.quick:
+        args.rounds, args.steps, args.warmup = 1, 2, 1
+    return args
+
+
 def spawn(world_size: int, target: Callable, args: tuple, timeout: float = TIMEOUT_S) -> list:
     """``target(rank, *args, port, results)`` on ``world_size`` fresh processes, each putting
     ``(rank, ok, value)`` on ``results``; the values in rank order, or a RuntimeError naming

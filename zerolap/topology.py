@@ -247,13 +247,11 @@ def parallel_dims(topology: ParallelDims | ProcessTopology) -> ParallelDims:
 
 @dataclass(frozen=True)
 class ExpertGroups:
-    """This rank's groups for expert parallelism of size ``size`` (``Mesh.expert_groups``)."""
+    """This rank's groups for expert parallelism of one size (``Mesh.expert_groups``)."""
 
-    size: int
     expert_group: torch_dist.ProcessGroup  # exchanges tokens; holds the experts between them
     expert_rank: int  # place in it: which of the experts this rank holds
     data_group: torch_dist.ProcessGroup  # the ranks holding the same experts
-    data_rank: int  # place in it
 
 
 @dataclass
@@ -304,13 +302,7 @@ class Mesh:
                 group = dist.new_group(ranks)
                 if self.rank in ranks:
                     mine["data"] = group
-        made = ExpertGroups(
-            size,
-            mine["expert"],
-            self.data_rank % size,
-            mine["data"],
-            self.data_rank // size,
-        )
+        made = ExpertGroups(mine["expert"], self.data_rank % size, mine["data"])
         self.experts[size] = made
         return made
 

@@ -13,7 +13,7 @@ import torch
 
 import zerolap
 import zerolap.comm as dist
-from tests.checkpoint.deepspeed_0_19_8 import pipe_model
+from tests.checkpoint.deepspeed_0_19_8 import moe_model, pipe_model
 from tests.checkpoint.deepspeed_0_19_8.model import (
     CASES,
     MICRO,
@@ -272,3 +272,52 @@ def test_a_stage0_optimizer_layout_not_read_is_listed_unnamed(tmp_path):
         "mp_rank_00_model_states.pt (an optimizer layout not read: DeepSpeed's unfused fp16 "
         "optimizer, an fp32 copy per parameter)"
     ]
+
+
+def resume_moe(case: str, ep_size: int) -> dict:
+    """Load the mixture-of-experts ``case`` with the experts spread over ``ep_size`` ranks here
+    and take the next step on DeepSpeed's micro-batches (several per rank, accumulated, when
+    there are fewer ranks now: each routed as DeepSpeed routed it)."""
+    from zerolap.moe.layer import MoE
+    from zerolap.moe.parallel import global_expert_names
+
+    stage, saved_world = moe_model.CASES[case]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    micro = saved_world // world
+    model = moe_model.MoENet(MoE, ep_size)
+    config = moe_model.ds_config(stage) | {"gradient_accumulation_steps": micro}
+    engine, *_ = zerolap.initialize(model=model, model_parameters=model.parameters(), config=config)
+    engine.load_checkpoint(str(HERE / case / "ckpt"))
+    total = torch.zeros(1)
+    for part in range(micro):
+        loss = engine(*moe_model.batch(moe_model.STEPS + 1, rank * micro + part))
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach()
+    dist.all_reduce(total, op="avg")
+    names = global_expert_names(model)
+    params = {names.get(n, n): safe_get_full_fp32_param(p) for n, p in model.named_parameters()}
+    return {"loss": total.item() / micro, "params": params}
+
+
+@pytest.mark.parametrize(
+    ("case", "world", "ep_size"),
+    [("moe_s0_ep2", 2, 2), ("moe_s0_ep2", 2, 1), ("moe_s2_w4_ep2", 2, 2)],
+)
+def test_a_deepspeed_moe_checkpoint_resumes(ranks, case, world, ep_size):
+    want = _expected(case)
+    for result in ranks(world).run(resume_moe, case, ep_size, timeout=TIMEOUT):
+        assert abs(result["loss"] - want["next_loss"]) < 1e-5
+        assert result["params"].keys() <= want["params_after"].keys()
+        for name, value in result["params"].items():
+            assert (value - want["params_after"][name]).abs().max().item() < 1e-5, name
+
+
+@pytest.mark.parametrize("case", sorted(moe_model.CASES))
+def test_zero_to_fp32_rebuilds_a_deepspeed_moe_checkpoints_weights(case):
+    from zerolap.moe.layer import MoE
+
+    state = get_fp32_state_dict_from_zero_checkpoint(HERE / case / "ckpt")
+    moe_model.MoENet(MoE, 1).load_state_dict(state, strict=True)  # every expert, one process
+    for name, value in _expected(case)["saved_params"].items():
+        assert torch.equal(state[name], value), name

@@ -13,19 +13,21 @@ import zerolap.comm as dist
 from tests.moe.test_layer import GAS, MICRO, Expert, MoEModel, _batch, _groups, _reference
 from zerolap.checkpoint.consolidate import get_fp32_state_dict
 from zerolap.comm.logger import COMMS_LOGGER
-from zerolap.moe.layer import MoE, global_expert_names
-from zerolap.moe.utils import set_up_expert_parallelism
+from zerolap.moe.gating import capacity
+from zerolap.moe.layer import MoE
+from zerolap.moe.parallel import global_expert_names, set_up_expert_parallelism
 from zerolap.topology import build_mesh
+from zerolap.utils.zero_to_fp32 import load_state_dict_from_zero_checkpoint
 
 TIMEOUT = 120.0
 
 
-def _layer(ep_size: int, k: int, first: int = 0) -> MoE:
-    """A layer of 4 experts of width 8, no token dropped (``drop_tokens=False``); its experts
-    are global experts ``first, first + 1, ...``, each with weights of its own."""
+def _layer(ep_size: int, k: int, drop: bool, first: int = 0) -> MoE:
+    """A layer of 4 experts of width 8 whose capacity drops no token (``drop`` or not); its
+    experts are global experts ``first, first + 1, ...``, each with weights of its own."""
     torch.manual_seed(0)
     layer = MoE(
-        8, Expert(8), 4, ep_size, k=k, drop_tokens=False, use_rts=False,
+        8, Expert(8), 4, ep_size, k=k, capacity_factor=4.0, drop_tokens=drop, use_rts=False,
         top2_2nd_expert_sampling=False,
     )  # fmt: skip
     for local, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
@@ -40,7 +42,7 @@ def _tokens(rank: int) -> torch.Tensor:
     return torch.randn(3 + rank, 5, 8, generator=torch.Generator().manual_seed(rank))
 
 
-def exchange(k: int) -> float:
+def exchange(k: int, drop: bool) -> float:
     """The spread layer's output, input gradient and expert gradients against one layer with
     every expert run on each rank's tokens (an expert's gradient sums every rank's tokens):
     the largest difference relative to the tensor's largest element."""
@@ -49,7 +51,7 @@ def exchange(k: int) -> float:
     def apart(a: torch.Tensor, b: torch.Tensor) -> float:
         return ((a - b).abs().max() / b.abs().max()).item()
 
-    layer = _layer(world, k, first=rank * (4 // world))
+    layer = _layer(world, k, drop, first=rank * (4 // world))
     set_up_expert_parallelism(layer, build_mesh(), stage=0)
     tokens = _tokens(rank).requires_grad_()
     dist.configure(enabled=True, prof_all=True)
@@ -59,15 +61,19 @@ def exchange(k: int) -> float:
     exchanged = [r for r in COMMS_LOGGER.records if r.op == "all_to_all_single"]
     dist.configure(enabled=False)
     # Two all-to-alls forward, two backward, each of the [experts, capacity, width] buffers,
-    # capacity the busiest expert's count over the ranks; a rank keeps its own block, so
-    # (ranks - 1) / ranks of each goes on the wire.
-    room = layer.deepspeed_moe.exp_counts.max().reshape(1)
+    # capacity the largest over the ranks (the busiest expert's count, or the capacity of the
+    # rank with the most tokens); a rank keeps its own block, so (ranks - 1) / ranks of each
+    # goes on the wire.
+    if drop:
+        room = torch.tensor([capacity(tokens.shape[0] * 5, 4, k * 4.0, 4)])
+    else:
+        room = layer.deepspeed_moe.exp_counts.max().reshape(1)
     dist.all_reduce(room, op=dist.ReduceOp.MAX)
     buffer_bytes = 4 * int(room) * 8 * 4
     assert [r.message_bytes for r in exchanged] == [buffer_bytes] * 4
     assert [r.wire_bytes for r in exchanged] == [buffer_bytes * (world - 1) // world] * 4
     worst = 0.0
-    whole = _layer(1, k)
+    whole = _layer(1, k, drop)
     for r in range(world):
         theirs = _tokens(r).requires_grad_()
         expected, _, _ = whole(theirs)
@@ -83,9 +89,9 @@ def exchange(k: int) -> float:
     return worst
 
 
-@pytest.mark.parametrize("k", [1, 2])
-def test_a_spread_layer_computes_what_one_layer_with_every_expert_does(ranks, k):
-    for difference in ranks(2).run(exchange, k, timeout=TIMEOUT):
+@pytest.mark.parametrize(("k", "drop"), [(1, False), (2, False), (1, True), (2, True)])
+def test_a_spread_layer_computes_what_one_layer_with_every_expert_does(ranks, k, drop):
+    for difference in ranks(2).run(exchange, k, drop, timeout=TIMEOUT):
         assert difference < 1e-5
 
 
@@ -168,12 +174,27 @@ def resume_at_another_size(tmp: str, stage: int, saved: int, loaded: int) -> tup
     )
     _train(engine, range(2))
     engine.save_checkpoint(tmp, tag="two")
+    engine.save_16bit_model(tmp, "whole.pt")  # rank 0 writes every expert, by global index
     whole = MoEModel(1)
     whole.load_state_dict(get_fp32_state_dict(tmp, "two"), strict=True)
+    reference = _reference(2, dist.get_world_size())
     consolidated = max(
         ((a - b).abs().max() / b.abs().max()).item()
-        for a, b in zip(whole.parameters(), _reference(2, dist.get_world_size()), strict=True)
+        for a, b in zip(whole.parameters(), reference, strict=True)
     )
+    if dist.get_rank() == 0:
+        written = MoEModel(1)
+        written.load_state_dict(torch.load(f"{tmp}/whole.pt", weights_only=True), strict=True)
+        for a, b in zip(written.parameters(), whole.parameters(), strict=True):
+            consolidated = max(consolidated, (a - b).abs().max().item())
+    # Into a model spread over ranks, each rank takes its own experts.
+    spread = MoEModel(2)
+    set_up_expert_parallelism(spread, build_mesh(), stage=0)
+    load_state_dict_from_zero_checkpoint(spread, tmp, "two")
+    names = global_expert_names(spread)
+    expected = whole.state_dict()
+    for key, value in spread.state_dict().items():
+        consolidated = max(consolidated, (value - expected[names.get(key, key)]).abs().max().item())
     model = MoEModel(loaded)
     engine, *_ = zerolap.initialize(
         model=model, optimizer=torch.optim.AdamW(_groups(model), lr=0.02), config=_config(1)
@@ -196,10 +217,12 @@ def test_a_checkpoint_resumes_at_another_expert_parallel_size(
 
 def refusals() -> list[str]:
     said = []
-    for stage in (3,):
+    unmarked = MoEModel(2)
+    unmarked.moe2.deepspeed_moe.experts.deepspeed_experts[1].up.bias.group_name = None
+    for model, stage in ((MoEModel(2), 3), (unmarked, 0)):
         try:
-            set_up_expert_parallelism(MoEModel(2), build_mesh(), stage=stage)
-        except NotImplementedError as err:
+            set_up_expert_parallelism(model, build_mesh(), stage=stage)
+        except (NotImplementedError, ValueError) as err:
             said.append(str(err))
     try:
         build_mesh().expert_groups(3)
@@ -211,4 +234,8 @@ def refusals() -> list[str]:
 def test_what_expert_parallelism_does_not_run_is_refused_by_name(ranks):
     for said in ranks(2).run(refusals, timeout=TIMEOUT):
         assert "MoE ep_size=2 with ZeRO stage 3" in said[0]
-        assert "MoE ep_size=3 does not divide the data-parallel size 2" in said[1]
+        assert (
+            "expert parameter moe2.deepspeed_moe.experts.deepspeed_experts.1.up.bias of a MoE "
+            "layer with ep_size=2 is marked group_name=None"
+        ) in said[1]
+        assert "MoE ep_size=3 does not divide the data-parallel size 2" in said[2]

@@ -217,7 +217,7 @@ def test_experts_are_marked_for_their_own_optimizer_groups():
 
 
 def test_what_zerolap_does_not_run_is_refused_by_name():
-    with pytest.raises(RuntimeError, match="ep_size=2 run before zerolap.initialize"):
+    with pytest.raises(RuntimeError, match=r"ep_size=2 run before zerolap\.initialize"):
         MoE(8, Expert(8), num_experts=4, ep_size=2)(torch.zeros(3, 8))
     with pytest.raises(ValueError, match="num_experts=3 must be a multiple of ep_size=2"):
         MoE(8, Expert(8), num_experts=3, ep_size=2)

@@ -10,9 +10,9 @@ import torch
 import zerolap
 import zerolap.comm as dist
 from tests.zero.models import global_batch, loss_fn, make_model
+from zerolap.moe.parallel import expert_parallel_size
 from zerolap.moe.utils import (
     configure_moe_param_groups,
-    expert_parallel_size,
     is_moe_param,
     is_moe_param_group,
     split_params_into_different_moe_groups_for_optimizer,
@@ -129,3 +129,34 @@ def test_expert_groups_train_as_one_process(ranks, stage):
             assert "MoE ep_size=2 with ZeRO stage 3" in result["refused"]
         assert result["groups"] == [("dense", False), ("ep_size_1", True), ("ep_size_1_b", True)]
         assert result["diff"] < 1e-5
+
+
+def config_groups() -> list:
+    """A ds_config optimizer over a model with experts: DeepSpeed's groups (the experts in a
+    group of their own), whether the client passed parameters or named groups."""
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
+    }
+    seen = []
+    for given in ("params", "groups"):
+        model = _experts(make_model())
+        passed = (
+            list(model.parameters())
+            if given == "params"
+            else [{"params": list(model.parameters()), "name": "mine"}]
+        )
+        engine, optimizer, *_ = zerolap.initialize(
+            model=model, model_parameters=passed, config=config
+        )
+        seen.append([(g["name"], g.get("moe", False)) for g in optimizer.param_groups])
+        engine.destroy()
+    return seen
+
+
+def test_a_ds_config_optimizer_puts_experts_in_groups_of_their_own(ranks):
+    for seen in ranks(1).run(config_groups, timeout=TIMEOUT):
+        assert seen == [
+            [("dense-params", False), ("ep_size_1", True), ("ep_size_1_b", True)],
+            [("mine", False), ("ep_size_1", True), ("ep_size_1_b", True)],
+        ]

@@ -35,6 +35,14 @@ DeepSpeed's layouts, per optimizer param group (stage 3: per sub-group):
   under the name the loading model gives that layer (``PipelineModule.layer_prefixes``:
   ``"3."``, or ``"tied_modules.embed."``), or without a model under its index.
 
+* mixture of experts (``deepspeed.moe`` with expert parallelism E): the experts are not in
+  ``module`` but in one file per expert (``layer_<l>_expert_<j>_mp_rank_00_model_states.pt``,
+  keys under the expert's global index j, as zerolap names experts). Their optimizer state is
+  under each rank's *local* names (local copy i of expert-parallel rank e is expert e x L + i,
+  L = the layer's experts / E): at stages 1-2 an expert group is partitioned over the ranks
+  holding the same experts (``partition_count``: data-parallel ranks e, e + E, ...), at stage 0
+  expert-parallel rank e's optimizer is ``expp_rank_<e>_mp_rank_00_optim_states.pt``.
+
 DeepSpeed's FusedAdam keeps the true step count only on the last parameter of each group at
 stage 0, so every parameter of a group takes the group's largest. The files pickle three
 DeepSpeed classes; they are read with ``weights_only`` and look-alikes registered under those
@@ -57,6 +65,9 @@ __all__ = ["LoadingModel", "is_deepspeed_checkpoint", "read_deepspeed"]
 
 ZERO3_MODEL_GLOB = "zero_pp_rank_*_mp_rank_00_model_states.pt"
 OPTIM_GLOB = "*zero_pp_rank_*_mp_rank_00_optim_states.pt"  # "bf16_" prefixed under bf16
+EXPERT_GLOB = "layer_*_expert_*_mp_rank_*_model_states.pt"
+EXPERT_OPTIM_GLOB = "expp_rank_*_mp_rank_00_optim_states.pt"
+_EXPERT_NAME = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")
 
 # Top-level keys of DeepSpeed's model-states file; every other key is the client's state.
 _DEEPSPEED_KEYS = {
@@ -133,20 +144,95 @@ def _slice_state(state: dict, offset: int, numel: int, flat_numel: int) -> dict:
     return out
 
 
-def _zero12(model: dict, optims: list[dict]) -> list[tuple[int, str, torch.Tensor, dict]]:
+def _zero12(
+    model: dict, optims: list[dict], local_experts: dict[str, int]
+) -> list[tuple[int, str, torch.Tensor, dict]]:
     found = []
+    world = len(optims)
     for g, shapes in enumerate(model["param_shapes"]):
-        flat = torch.cat([o["single_partition_of_fp32_groups"][g] for o in optims])
-        base = [o["base_optimizer_state"] for o in optims]
-        if isinstance(base[0], list):
+        if isinstance(optims[0]["base_optimizer_state"], list):
             raise CheckpointError(
                 "an elastic DeepSpeed checkpoint (zero_optimization.elastic_checkpoint) is not "
                 "supported; save it without elastic_checkpoint"
             )
-        state = _concat_states([b["state"][g] for b in base])
-        paddings = optims[0].get("param_alignment_paddings", [None] * (g + 1))[g]
-        found += [(g, *piece) for piece in _pieces_of(flat, state, shapes, paddings)]
+        # An expert group is partitioned over the ranks holding the same experts only.
+        spread = optims[0].get("partition_count", [world] * (g + 1))[g]
+        ep_size = world // spread
+        for e in range(ep_size):
+            held = optims[e::ep_size]
+            flat = torch.cat([o["single_partition_of_fp32_groups"][g] for o in held])
+            state = _concat_states([o["base_optimizer_state"]["state"][g] for o in held])
+            paddings = held[0].get("param_alignment_paddings", [None] * (g + 1))[g]
+            named = {_global_name(n, e, local_experts): v for n, v in shapes.items()}
+            found += [(g, *piece) for piece in _pieces_of(flat, state, named, paddings)]
     return found
+
+
+def _expert_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """Every expert file's entries (already under the experts' global names)."""
+    out = {}
+    for path in sorted(folder.glob(EXPERT_GLOB)):
+        if not path.name.endswith("_mp_rank_00_model_states.pt"):
+            raise CheckpointError(
+                f"{folder} holds experts split by tensor parallelism ({path.name}), which are "
+                "not read; zerolap reads DeepSpeed MoE checkpoints saved without it"
+            )
+        out.update(_load(path))
+    return out
+
+
+def _local_experts(experts: dict[str, torch.Tensor], ep_size: int) -> dict[str, int]:
+    """Per MoE layer (the prefix of its experts' names), the experts each expert-parallel rank
+    held."""
+    indices: dict[str, set[int]] = {}
+    for key in experts:
+        match = _EXPERT_NAME.fullmatch(key)
+        if match is not None:
+            indices.setdefault(match.group(1), set()).add(int(match.group(2)))
+    return {prefix: len(found) // ep_size for prefix, found in indices.items()}
+
+
+def _global_name(name: str, ep_rank: int, local_experts: dict[str, int]) -> str:
+    """``name`` as expert-parallel rank ``ep_rank`` called it, with its expert's global
+    index."""
+    match = _EXPERT_NAME.fullmatch(name)
+    if match is None or match.group(1) not in local_experts:
+        return name
+    prefix, local, rest = match.groups()
+    return f"{prefix}{ep_rank * local_experts[prefix] + int(local)}{rest}"
+
+
+def _ep_rank_groups(client_groups, ep_rank: int, local_experts: dict[str, int]):
+    """The loading client's param groups as DeepSpeed's expert-parallel rank ``ep_rank``
+    listed them: its experts (each layer's ``local_experts``, in module order) in place of the
+    loading rank's, whatever their number here."""
+    out = []
+    for group in client_groups:
+        listed, rests, done = [], {}, set()
+        for name, trains in group:
+            match = _EXPERT_NAME.fullmatch(name)
+            if match is None or match.group(1) not in local_experts:
+                listed.append((name, trains))
+                continue
+            prefix, index, rest = match.groups()
+            first = rests.setdefault(prefix, (index, []))
+            if first[0] == index:
+                first[1].append((rest, trains))
+            if prefix in done:
+                continue
+            done.add(prefix)
+            listed.append((prefix, None))  # this layer's experts go here, in module order
+        group_out = []
+        for name, trains in listed:
+            if trains is not None:
+                group_out.append((name, trains))
+                continue
+            count = local_experts[name]
+            for i in range(count):
+                for rest, rest_trains in rests[name][1]:
+                    group_out.append((f"{name}{ep_rank * count + i}{rest}", rest_trains))
+        out.append(group_out)
+    return out
 
 
 def _concat_states(states: list[dict]) -> dict:
@@ -194,10 +280,12 @@ def _known_layout(saved: dict) -> bool:
     return "param_groups" in saved or "fp32_groups_flat" in saved
 
 
-def _zero0(model: dict, client_groups) -> list[tuple[int, str, torch.Tensor, dict]]:
-    """Stage 0: the optimizer's entries named by the client's param groups (names in order,
-    each with whether it trains)."""
-    saved = model["optimizer"]
+def _zero0(
+    model: dict, client_groups, saved: dict | None = None
+) -> list[tuple[int, str, torch.Tensor, dict]]:
+    """Stage 0: the optimizer's entries (``model``'s, or ``saved``) named by the client's param
+    groups (names in order, each with whether it trains)."""
+    saved = model["optimizer"] if saved is None else saved
     if client_groups is None or saved is None or not _known_layout(saved):
         return []
     flat_groups = saved.get("fp32_groups_flat")
@@ -242,6 +330,25 @@ def _zero0(model: dict, client_groups) -> list[tuple[int, str, torch.Tensor, dic
     return found
 
 
+def _zero0_experts(
+    model: dict, client_groups, folder: Path, local_experts: dict[str, int]
+) -> list[tuple[int, str, torch.Tensor, dict]]:
+    """Stage 0 under expert parallelism: each expert-parallel rank's optimizer file, named by
+    the client's groups as that rank listed them (the dense entries, alike in every file,
+    taken from the first)."""
+    if client_groups is None:
+        return []
+    paths = sorted(
+        folder.glob(EXPERT_OPTIM_GLOB), key=lambda p: int(re.search(r"expp_rank_(\d+)_", p.name)[1])
+    )
+    found = []
+    for e, path in enumerate(paths):
+        groups = _ep_rank_groups(client_groups, e, local_experts)
+        entries = _zero0(model, groups, _load(path)["optimizer"])
+        found += [f for f in entries if e == 0 or _EXPERT_NAME.fullmatch(f[1])]
+    return found
+
+
 def _frozen_pieces(models: list[dict]) -> list[tuple[str, torch.Tensor]]:
     """Stage 3's frozen parameters, reassembled from every rank's fragments."""
     shapes = models[0].get("frozen_param_shapes") or {}
@@ -282,12 +389,25 @@ def read_deepspeed(folder: Path, loading: LoadingModel | None = None) -> tuple[d
         model_paths = zero3_models or [folder / MODEL_FILE]
         models = [_load(path) for path in model_paths]
         first = models[0]
+        experts = _expert_weights(folder)
+        if experts:
+            first = {**first, "module": {**first["module"], **experts}}
         optims = [_load(path)["optimizer_state_dict"] for path in _by_rank(folder, OPTIM_GLOB)]
+        local_experts = {}
+        if experts:
+            # The expert-parallel size: the experts' optimizer files (stage 0), or the ranks
+            # over the partitions of a ZeRO expert group.
+            counts = optims[0].get("partition_count", [len(optims)]) if optims else [1]
+            ep_size = len(list(folder.glob(EXPERT_OPTIM_GLOB))) or len(optims) // min(counts)
+            local_experts = _local_experts(experts, ep_size)
         if optims and int(optims[0].get("zero_stage", 1)) == 3:
             stage, params = 3, _zero3(first, optims)
             frozen = _frozen_pieces(models)
         elif optims:
-            stage, params = int(optims[0].get("zero_stage", 1)), _zero12(first, optims)
+            stage = int(optims[0].get("zero_stage", 1))
+            params = _zero12(first, optims, local_experts)
+        elif experts:
+            stage, params = 0, _zero0_experts(first, client_groups, folder, local_experts)
         else:
             stage, params = 0, _zero0(first, client_groups)
             if first.get("optimizer") is not None and not _known_layout(first["optimizer"]):

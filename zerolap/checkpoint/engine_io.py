@@ -69,7 +69,7 @@ from zerolap.checkpoint.shards import (
     rng_state,
     segments_of,
 )
-from zerolap.moe.layer import global_expert_names
+from zerolap.moe.parallel import global_expert_names
 from zerolap.utils.logging import logger
 from zerolap.zero.status import full_shape
 
@@ -145,7 +145,8 @@ def _frozen_keys(engine) -> list[str]:
 
 def _shard_runs(engine, names: list[str], exclude_frozen: bool) -> list[dict]:
     """What this rank saves of the parameters: its optimizer runs (stage 0: data-parallel rank
-    0 alone, one copy per tensor rank suffices), and under stage 3 also its elements of managed
+    0 alone, one copy per tensor rank suffices, and under expert parallelism the first rank
+    holding each set of experts, those), and under stage 3 also its elements of managed
     parameters outside every run (frozen ones, unless excluded)."""
     runs = []
     optimizer = engine.optimizer
@@ -559,6 +560,10 @@ def _check_same_model(engine, saved: dict, path: Path, strict: bool, params: dic
         )
     # A checkpoint saved without its frozen parameters (the Trainer's, of a PEFT model) is
     # expected to lack them: said once, briefly; a trainable one missing is worth a warning.
+    # Each rank speaks of the parameters it holds (another stage's, or another rank's experts,
+    # are theirs to report).
+    held = set(_first_names(engine).values())
+    missing = [n for n in missing if n in held]
     frozen = set(_frozen_keys(engine))
     trainable = [n for n in missing if n not in frozen]
     if trainable:

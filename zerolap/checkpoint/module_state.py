@@ -3,7 +3,9 @@
 Under stage 3 each module's sharded parameters are gathered together, copied to CPU on rank 0
 and released before the next module's, so no rank ever holds more than one module's parameters
 beyond what it kept already. Stages 0-2 hold every parameter whole; nothing is gathered.
-Tensor-parallel pieces are joined over their tensor group into the whole parameter.
+Tensor-parallel pieces are joined over their tensor group into the whole parameter, and
+experts spread over ranks are gathered from rank 0's expert-parallel group under their global
+names (``moe.parallel``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import torch
 
 import zerolap.comm as dist
+from zerolap.moe.parallel import with_every_expert
 from zerolap.tensor_parallel.layers import join_pieces
 from zerolap.zero.gathered import GatheredParameters
 from zerolap.zero.status import is_sharded
@@ -45,4 +48,4 @@ def full_state_dict(module: torch.nn.Module, *, exclude_frozen: bool = False) ->
                     if id(tensor) not in copies:
                         copies[id(tensor)] = tensor.detach().to("cpu", copy=True)
                     out[key] = copies[id(tensor)]
-    return out
+    return with_every_expert(module, out, exclude_frozen=exclude_frozen)

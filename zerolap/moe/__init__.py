@@ -7,6 +7,6 @@ group (``zerolap.topology``); the engine reduces and shards them over the ranks 
 experts.
 """
 
-from zerolap.moe import exchange, gating, layer, utils
+from zerolap.moe import exchange, gating, layer, parallel, utils
 
-__all__ = ["exchange", "gating", "layer", "utils"]
+__all__ = ["exchange", "gating", "layer", "parallel", "utils"]

@@ -13,9 +13,13 @@ Each function takes the gate's logits for S tokens over E experts (fp32) and ret
 
 A token an expert has no room for is dropped from that expert (its weight there is zero; with
 k = 1 the layer's output for it is zero, a residual connection outside the layer carries it).
-With ``drop_tokens=False`` the capacity grows to the busiest expert's count, so none is; under
-expert parallelism (``ep_group``) to the busiest over the group, since every rank's buffers must
-be the same size for the all-to-all.
+With ``drop_tokens=False`` the capacity grows to the busiest expert's count, so none is.
+
+Under expert parallelism (``ep_group``) every rank's buffers must be the same size for the
+all-to-all, so the capacity is the largest over the group: the busiest expert's anywhere, or
+with ``drop_tokens`` the capacity of the rank with the most tokens. DeepSpeed agrees only the
+first; its buffers differ, and its all-to-all fails, when ranks route different numbers of
+tokens (a shorter last batch, sequences padded per batch).
 """
 
 from __future__ import annotations
@@ -73,12 +77,20 @@ def _balance_loss(gates: torch.Tensor, first_choice: torch.Tensor) -> torch.Tens
     return torch.sum(gates.mean(dim=0) * first_choice.float().mean(dim=0)) * experts
 
 
+def _agreed(room: int, ep_group, device) -> int:
+    """``room``, the largest over the expert-parallel group (itself without one): one small
+    all-reduce, and a wait for it, per gate call, since the room sizes the buffers."""
+    if ep_group is None:
+        return room
+    largest = torch.tensor(room, device=device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=ep_group)
+    return int(largest)
+
+
 def _room_for_all(exp_counts: torch.Tensor, tokens: int, ep_group) -> int:
     """Room for every token: the busiest expert's count, over the expert-parallel group."""
-    room = torch.tensor(max(min(int(exp_counts.max()), tokens), 1), device=exp_counts.device)
-    if ep_group is not None:
-        dist.all_reduce(room, op=dist.ReduceOp.MAX, group=ep_group)
-    return int(room)
+    room = max(min(int(exp_counts.max()), tokens), 1)
+    return _agreed(room, ep_group, exp_counts.device)
 
 
 def top1gating(
@@ -90,11 +102,13 @@ def top1gating(
     drop_tokens: bool = True,
     use_rts: bool = True,
     ep_group=None,
+    use_tutel: bool = False,
 ):
     """Each token to its most probable expert (with ``RSample``, the most probable after Gumbel
     noise), weighted by that probability. Over capacity, ``use_rts`` keeps a random choice of
     the expert's tokens (random token selection); otherwise the first ones in order.
-    ``used_token`` [S] (0 or 1) routes only the tokens it marks."""
+    ``used_token`` [S] (0 or 1) routes only the tokens it marks. ``use_tutel`` (DeepSpeed's
+    Tutel kernels) changes nothing here: the routing is the same, dispatched with einsum."""
     gates = F.softmax(logits, dim=1)
     tokens, experts = gates.shape
     chooser = (
@@ -106,6 +120,7 @@ def top1gating(
     exp_counts = mask.sum(dim=0).detach()
     if drop_tokens:
         room = capacity(tokens, experts, capacity_factor, min_capacity)
+        room = _agreed(room, ep_group, gates.device)
     else:
         room = _room_for_all(exp_counts, tokens, ep_group)
     l_aux = _balance_loss(gates, mask)
@@ -143,6 +158,7 @@ def top2gating(
     l_aux = _balance_loss(gates, first)
     if drop_tokens:
         room = capacity(tokens, experts, 2 * capacity_factor, min_capacity)
+        room = _agreed(room, ep_group, gates.device)
     else:
         room = _room_for_all(exp_counts, tokens, ep_group)
     first = first * (slots_first < room)
@@ -179,6 +195,7 @@ def topkgating(
         room = _room_for_all(exp_counts, tokens, ep_group)
     else:
         room = capacity(tokens, experts, k * capacity_factor, min_capacity)
+        room = _agreed(room, ep_group, gates.device)
         if drop_policy == "probs":
             strongest = (gates * mask).topk(min(room, tokens), dim=0).indices
             mask = mask * torch.zeros_like(mask).scatter_(0, strongest, 1)
@@ -243,8 +260,11 @@ class TopKGate(torch.nn.Module):
     def _set_ep_group(self, ep_group) -> None:
         self.ep_group = ep_group
 
-    def forward(self, tokens: torch.Tensor, used_token: torch.Tensor | None = None):
-        """``tokens`` [S, model_dim] -> ``(l_aux, combine_weights, dispatch_mask, exp_counts)``."""
+    def forward(
+        self, tokens: torch.Tensor, used_token: torch.Tensor | None = None, use_tutel=False
+    ):
+        """``tokens`` [S, model_dim] -> ``(l_aux, combine_weights, dispatch_mask, exp_counts)``
+        (``use_tutel``: as in ``top1gating``)."""
         tokens = tokens.float()
         noise = self.noisy_gate_policy if self.training else None
         if noise == "Jitter":

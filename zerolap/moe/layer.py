@@ -20,8 +20,8 @@ The experts' parameters carry DeepSpeed's marks (``allreduce = False``, ``group_
 reduces and shards them over the ranks holding the same experts (the expert-data-parallel
 group). Parameter names are DeepSpeed's (``deepspeed_moe.gate.wg.weight``,
 ``deepspeed_moe.experts.deepspeed_experts.<i>.*``, i the local index); checkpoints name the
-experts by their global index (``global_expert_names``), so a run resumes at another
-``ep_size`` and consolidates to the state dict of the model with every expert on one rank.
+experts by their global index (``moe.parallel``), so a run resumes at another ``ep_size`` and
+consolidates to the state dict of the model with every expert on one rank.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import copy
 
 import torch
 
+import zerolap.comm as dist
 from zerolap.moe.exchange import all_to_all
 from zerolap.moe.gating import TopKGate, top1gating, top2gating, topkgating
 from zerolap.utils.logging import warning_once
@@ -42,7 +43,6 @@ __all__ = [
     "MOELayer",
     "MoE",
     "TopKGate",
-    "global_expert_names",
     "top1gating",
     "top2gating",
     "topkgating",
@@ -107,14 +107,16 @@ class MOELayer(torch.nn.Module):
         self.l_aux: torch.Tensor | None = None
         self.exp_counts: torch.Tensor | None = None
 
-    def _set_ep_group(self, ep_group, ep_rank: int = 0) -> None:
-        """The expert-parallel group (DeepSpeed's name for the call) and this rank's place in
-        it, which says which experts it holds."""
+    def _set_ep_group(self, ep_group) -> None:
+        """The expert-parallel group (DeepSpeed's name for the call); this rank's place in it
+        says which experts it holds."""
         self.ep_group = ep_group
         self.gate._set_ep_group(ep_group)
-        self.experts.first_expert = ep_rank * self.num_local_experts
+        self.experts.first_expert = dist.get_rank(ep_group) * self.num_local_experts
 
-    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+    def forward(self, *inputs: torch.Tensor, **kwargs) -> torch.Tensor:
+        """``forward(tokens, used_token=None)``; DeepSpeed's other keywords select its kernels
+        only, and change nothing here."""
         if self.ep_size > 1 and self.ep_group is None:
             raise RuntimeError(
                 f"MoE layer with ep_size={self.ep_size} run before zerolap.initialize: its "
@@ -206,18 +208,3 @@ class MoE(torch.nn.Module):
             mix = torch.softmax(self.coefficient(hidden_states), dim=-1)
             output = output * mix[..., 0:1] + dense * mix[..., 1:]
         return output, self.deepspeed_moe.l_aux, self.deepspeed_moe.exp_counts
-
-
-def global_expert_names(module: torch.nn.Module) -> dict[str, str]:
-    """State-dict key -> the key the model with every expert on one rank gives it, for each
-    entry of an expert this rank holds as a local copy under expert parallelism (local copy i
-    of expert-parallel rank e is expert e * L + i); keys of other entries are absent."""
-    renamed = {}
-    for prefix, sub in module.named_modules():
-        if not isinstance(sub, Experts) or sub.first_expert == 0:
-            continue
-        base = f"{prefix}.deepspeed_experts." if prefix else "deepspeed_experts."
-        for key in sub.deepspeed_experts.state_dict(keep_vars=True):
-            local, rest = key.split(".", 1)
-            renamed[base + key] = f"{base}{sub.first_expert + int(local)}.{rest}"
-    return renamed

@@ -4,28 +4,20 @@ marked as DeepSpeed marks them (``param.allreduce = False``, ``param.group_name 
 
 The optimizer groups they build put expert parameters in groups of their own (``moe: True``,
 named by the expert group); zerolap's optimizer takes such groups like any others. What decides
-how an expert parameter is reduced and sharded is its mark, not its group: with an
-expert-parallel size E above 1 the engine gives it buckets of its own, reduced and sharded over
-its expert-data-parallel group (``expert_parallel_size``, ``set_up_expert_parallelism``).
+how an expert parameter is reduced and sharded is its mark, not its group (``moe.parallel``).
 """
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from typing import Any
 
 import torch
 
-from zerolap.moe.layer import MOELayer
-
 __all__ = [
     "configure_moe_param_groups",
-    "expert_buffers",
-    "expert_parallel_size",
     "is_moe_param",
     "is_moe_param_group",
-    "set_up_expert_parallelism",
     "split_params_into_different_moe_groups_for_optimizer",
     "split_params_into_shared_and_expert_params",
 ]
@@ -103,54 +95,3 @@ def configure_moe_param_groups(model_parameters: list):
         return split_params_into_different_moe_groups_for_optimizer(model_parameters)
     group = {"params": model_parameters, "name": "dense-params"}
     return split_params_into_different_moe_groups_for_optimizer(group)
-
-
-def expert_parallel_size(param: torch.Tensor) -> int:
-    """The expert-parallel size E of an expert parameter (its ``group_name`` "ep_size_E"); 1
-    for any other parameter."""
-    found = re.fullmatch(r"ep_size_(\d+)", str(getattr(param, "group_name", "")))
-    return int(found.group(1)) if is_moe_param(param) and found else 1
-
-
-def expert_buffers(module: torch.nn.Module) -> set[int]:
-    """Ids of the buffers of experts spread over ranks (each rank holds its own experts')."""
-    return {
-        id(buffer)
-        for layer in module.modules()
-        if isinstance(layer, MOELayer) and layer.ep_size > 1
-        for buffer in layer.experts.buffers()
-    }
-
-
-def set_up_expert_parallelism(module: torch.nn.Module, mesh, *, stage: int) -> int:
-    """The expert-parallel size of ``module``'s experts (1 without expert parallelism), after
-    giving each MoE layer its groups (``mesh.expert_groups``: every rank calls this alike).
-    What zerolap does not run is refused by name: experts of several sizes above 1 in one
-    model, and expert parallelism with ZeRO stage 3, tensor or pipeline parallelism."""
-    layers = [m for m in module.modules() if isinstance(m, MOELayer) and m.ep_size > 1]
-    sizes = {m.ep_size for m in layers}
-    sizes |= {expert_parallel_size(p) for p in module.parameters()} - {1}
-    if not sizes:
-        return 1
-    if len(sizes) > 1:
-        raise NotImplementedError(
-            f"the model's experts are of expert-parallel sizes {sorted(sizes)}: zerolap runs "
-            "one expert-parallel size above 1 per model"
-        )
-    (size,) = sizes
-    if stage == 3:
-        raise NotImplementedError(
-            f"MoE ep_size={size} with ZeRO stage 3: stage 3 shards every parameter over the "
-            "data-parallel group, and experts spread over ranks need theirs sharded over the "
-            "ranks holding the same experts; use stage 0, 1 or 2 (DeepSpeed refuses MoE at "
-            "stage 3), or ep_size=1"
-        )
-    if mesh.dims.tensor > 1 or mesh.dims.pipe > 1:
-        raise NotImplementedError(
-            f"MoE ep_size={size} with tensor or pipeline parallelism: zerolap spreads experts "
-            "over data-parallel ranks only"
-        )
-    groups = mesh.expert_groups(size)
-    for layer in layers:
-        layer._set_ep_group(groups.expert_group, groups.expert_rank)
-    return size

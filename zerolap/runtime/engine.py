@@ -27,7 +27,7 @@ from zerolap import checkpointing
 from zerolap.accelerator import get_accelerator
 from zerolap.config import ConfigError, ZerolapConfig
 from zerolap.config.precision import torch_dtype
-from zerolap.moe.utils import (
+from zerolap.moe.parallel import (
     expert_buffers,
     expert_parallel_size,
     set_up_expert_parallelism,

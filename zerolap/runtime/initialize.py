@@ -6,6 +6,7 @@ import torch
 
 import zerolap.comm as dist
 from zerolap.config import ConfigError, load_config, parse_config, read_config
+from zerolap.moe.utils import configure_moe_param_groups, is_moe_param
 from zerolap.pipe.engine import PipelineEngine, check_pipeline_config
 from zerolap.pipe.module import PipelineModule
 from zerolap.runtime.agreement import check_ranks_agree
@@ -129,9 +130,24 @@ def _optimizer_factory(optimizer, model_parameters, cfg):
             return optimizer
         if callable(optimizer):
             return optimizer(wanted)
-        return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, wanted)
+        return build_optimizer(cfg.optimizer.type, cfg.optimizer.params, _expert_groups(wanted))
 
     return make
+
+
+def _expert_groups(model_parameters):
+    """``model_parameters`` with the experts in optimizer groups of their own, as DeepSpeed
+    builds a ds_config optimizer for a model with experts (so the param groups, a scheduler's
+    ``base_lrs`` and a checkpoint's groups line up with DeepSpeed's); as given otherwise, and
+    for groups without the ``name`` the split copies (DeepSpeed fails on those; the engine
+    reduces experts by their mark whatever their group)."""
+    listed = list(model_parameters)
+    groups = [item for item in listed if isinstance(item, dict)]
+    params = [p for g in groups for p in g["params"]]
+    params += [item for item in listed if not isinstance(item, dict)]
+    if not any(is_moe_param(p) for p in params) or any("name" not in g for g in groups):
+        return listed
+    return configure_moe_param_groups(listed)
 
 
 def _scheduler_factory(lr_scheduler, cfg):

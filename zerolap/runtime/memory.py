@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from zerolap.moe.utils import expert_parallel_size
+from zerolap.moe.parallel import expert_parallel_size
 from zerolap.profiling.estimate import Precision, bytes_per_param
 from zerolap.zero.status import full_numel
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from zerolap.checkpoint.consolidate import get_fp32_state_dict
+from zerolap.moe.parallel import global_expert_names
 from zerolap.utils.logging import logger
 
 __all__ = [
@@ -117,8 +118,11 @@ def convert_zero_checkpoint_to_fp32_state_dict(
 
 def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir, tag=None):
     """Load the checkpoint's fp32 weights into ``model`` (moved to CPU), not strictly, as
-    DeepSpeed does; returns ``model``."""
+    DeepSpeed does; returns ``model``. A model whose experts are spread over ranks takes its
+    own experts (the state dict names every expert by its global index)."""
     state_dict = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    renamed = global_expert_names(model)
+    state_dict |= {key: state_dict[name] for key, name in renamed.items() if name in state_dict}
     model = model.cpu()
     model.load_state_dict(state_dict, strict=False)
     return model

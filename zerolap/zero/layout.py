@@ -10,9 +10,10 @@ Layout (Megatron's distributed-optimizer scheme):
 * Parameters are placed in the order their gradients are expected to become ready in backward
   (the reverse of registration order), so buckets fill front to back.
 * A bucket closes once it holds ``bucket_numel`` elements (a larger parameter gets a bucket of
-  its own) and is padded to a multiple of the world size.
-* Rank r owns chunk r of every bucket: a reduce-scatter of a bucket hands each rank exactly its
-  chunk, and an all-gather of the bucket rebuilds the parameters from the owners' chunks.
+  its own) and is padded to a multiple of the ranks it is spread over.
+* Rank r owns chunk r of every bucket spread over all ranks: a reduce-scatter of a bucket hands
+  each rank exactly its chunk, and an all-gather of the bucket rebuilds the parameters from the
+  owners' chunks.
 * A bucket of expert parameters (``zerolap.moe`` with expert parallelism E) is held alike only by
   every E-th rank (its expert-data-parallel group): it is cut into world_size / E chunks, and
   rank r owns chunk r // E of it (``stride`` E). Its chunk and padding sizes differ from a dense
@@ -166,12 +167,13 @@ def build_layout(
     strides: Sequence[int] | None = None,
 ) -> FlatLayout:
     """Lay out parameters of ``numels`` (already in gradient-ready order) into buckets of about
-    ``bucket_numel`` elements, each padded to a multiple of ``world_size``. A bucket holds
-    parameters of one kind only (``kinds[i]``, all alike if None): a pipeline gives a tied
-    weight a kind of its own (its chunks are then the same elements on every stage that holds
-    it, whatever else each stage holds) and each virtual stage's parameters theirs (reduced
-    after that chunk's backward alone); expert parameters are a kind per expert group, whose
-    buckets are spread over world_size / ``strides[i]`` ranks (1 for every other kind)."""
+    ``bucket_numel`` elements, each padded to a multiple of the ranks it is spread over
+    (``world_size / strides[i]``; every rank when None). A bucket holds parameters of one kind
+    only (``kinds[i]``, all alike if None): a pipeline gives a tied weight a kind of its own
+    (its chunks are then the same elements on every stage that holds it, whatever else each
+    stage holds) and each virtual stage's parameters theirs (reduced after that chunk's
+    backward alone); the engine gives experts spread over ranks a kind of their own, with the
+    expert-parallel size as stride."""
     if bucket_numel <= 0:
         raise ValueError(f"reduce_bucket_size must be positive, got {bucket_numel}")
     groups: list[list[int]] = []

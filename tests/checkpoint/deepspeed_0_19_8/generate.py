@@ -9,7 +9,9 @@ one more step and saves in ``<case>/expected.pt`` what a resumed run must reprod
 loss (the mean over ranks) and the fp32 parameters after it, plus the fp32 parameters in the
 checkpoint itself. The pipeline cases (``pipe_model``) do the same with ``train_batch``, on
 stages x data-parallel ranks, and keep every parameter by name (a tied one from its first
-stage). Not run by the tests (they read the files); kept to say how they were made.
+stage); the mixture-of-experts cases (``moe_model``) keep every parameter by its global name
+(each expert from the first rank holding it). Not run by the tests (they read the files); kept
+to say how they were made.
 """
 
 from __future__ import annotations
@@ -114,6 +116,51 @@ def pipeline_worker(case: str) -> None:
     finish(case, ckpt, expected)
 
 
+def moe_worker(case: str) -> None:
+    import deepspeed
+    import torch
+    from deepspeed.moe.layer import MoE
+
+    from tests.checkpoint.deepspeed_0_19_8 import moe_model as m
+
+    stage, world = m.CASES[case]
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    model = m.MoENet(MoE, m.EP)
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=m.ds_config(stage)
+    )
+    names = m.global_names(model, rank % m.EP)
+
+    def step(number: int) -> float:
+        loss = engine(*m.batch(number, rank))
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().float().reshape(1)
+        torch.distributed.all_reduce(mean)
+        return mean.item() / world
+
+    def params() -> dict:
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        mine = {}
+        for name, param in model.named_parameters():
+            full = param if stage == 0 else safe_get_full_fp32_param(param)
+            mine[names[name]] = full.detach().float().clone()
+        every: list = [None] * world
+        torch.distributed.all_gather_object(every, mine)
+        return {n: v for found in reversed(every) for n, v in found.items()}  # rank 0's last
+
+    for number in range(1, m.STEPS + 1):
+        step(number)
+    saved_params = params()
+    ckpt = HERE / case / "ckpt"
+    engine.save_checkpoint(str(ckpt), client_state={"client_key": 7})
+    next_loss = step(m.STEPS + 1)
+    expected = {"next_loss": next_loss, "saved_params": saved_params, "params_after": params()}
+    finish(case, ckpt, expected)
+
+
 def finish(case: str, ckpt: Path, expected: dict) -> None:
     import torch
 
@@ -126,8 +173,10 @@ def finish(case: str, ckpt: Path, expected: dict) -> None:
 
 
 def world_size(case: str) -> int:
-    from tests.checkpoint.deepspeed_0_19_8 import model, pipe_model
+    from tests.checkpoint.deepspeed_0_19_8 import model, moe_model, pipe_model
 
+    if case in moe_model.CASES:
+        return moe_model.CASES[case][1]
     if case in pipe_model.CASES:
         _, stages, dp, _ = pipe_model.CASES[case]
         return stages * dp
@@ -153,12 +202,15 @@ def launch(case: str) -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(HERE.parents[2]))
-    from tests.checkpoint.deepspeed_0_19_8 import model, pipe_model
+    from tests.checkpoint.deepspeed_0_19_8 import model, moe_model, pipe_model
 
     if sys.argv[1:2] == ["--worker"]:
         case = sys.argv[2]
-        (pipeline_worker if case in pipe_model.CASES else worker)(case)
+        if case in moe_model.CASES:
+            moe_worker(case)
+        else:
+            (pipeline_worker if case in pipe_model.CASES else worker)(case)
     else:
-        for name in sys.argv[1:] or [*model.CASES, *pipe_model.CASES]:
+        for name in sys.argv[1:] or [*model.CASES, *pipe_model.CASES, *moe_model.CASES]:
             launch(name)
             print(f"{name}: written", flush=True)
