@@ -158,6 +158,13 @@ def _zero12(
         # An expert group is partitioned over the ranks holding the same experts only.
         spread = optims[0].get("partition_count", [world] * (g + 1))[g]
         ep_size = world // spread
+        if ep_size > 1 and not local_experts:
+            raise CheckpointError(
+                f"param group {g} of the DeepSpeed checkpoint is partitioned over {spread} of "
+                f"its {world} ranks (experts spread over ranks), but no expert files "
+                "name its experts: zerolap reads such groups only with DeepSpeed's "
+                "per-expert files, outside pipelines"
+            )
         for e in range(ep_size):
             held = optims[e::ep_size]
             flat = torch.cat([o["single_partition_of_fp32_groups"][g] for o in held])
@@ -486,7 +493,7 @@ def _read_pipeline(folder: Path, layers: dict[int, Path], loading: LoadingModel)
             if not found:
                 unnamed.append(_stage_file(s, "no optimizer files"))
             elif "zero_stage" in found[0] and model.get("param_shapes"):
-                pieces += _zero12(model, found)
+                pieces += _zero12(model, found, {})  # pipelines hold no expert files
             else:  # BF16_Optimizer without ZeRO: flat partitions that nothing names
                 unnamed.append(_stage_file(s, "bf16 partitions without ZeRO, not read"))
         params = _first_of_each(pieces)
