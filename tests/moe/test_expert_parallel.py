@@ -239,3 +239,44 @@ def test_what_expert_parallelism_does_not_run_is_refused_by_name(ranks):
             "layer with ep_size=2 is marked group_name=None"
         ) in said[1]
         assert "MoE ep_size=3 does not divide the data-parallel size 2" in said[2]
+
+
+def freeze_one_expert() -> tuple[str, bool]:
+    """Global expert 2 of the first layer frozen: local expert 0 of the ranks at place 1 of
+    their expert-parallel group. Frozen on rank 1 alone (rank 3 holds the same experts), the
+    job is refused; frozen on both, it trains with that expert unchanged."""
+    rank = dist.get_rank()
+
+    def build(frozen_on: set[int]):
+        model = MoEModel(2)
+        expert = model.moe1.deepspeed_moe.experts.deepspeed_experts[0]
+        if rank in frozen_on:
+            expert.requires_grad_(False)
+        return model, expert
+
+    said = ""
+    try:
+        model, _ = build({1})
+        zerolap.initialize(
+            model=model, optimizer=torch.optim.AdamW(_groups(model)), config=_config(2)
+        )
+    except zerolap.config.ConfigError as err:
+        said = str(err)
+    model, expert = build({1, 3})
+    before = [p.detach().clone() for p in expert.parameters()]
+    engine, *_ = zerolap.initialize(
+        model=model, optimizer=torch.optim.AdamW(_groups(model), lr=0.02), config=_config(2)
+    )
+    _train(engine, range(2))
+    kept = all(torch.equal(a, b) for a, b in zip(before, expert.parameters(), strict=True))
+    return said, kept
+
+
+def test_an_expert_frozen_where_it_is_held_trains_and_a_mismatch_is_named(ranks):
+    for rank, (said, kept) in enumerate(ranks(4).run(freeze_one_expert, timeout=TIMEOUT)):
+        assert (
+            "the experts differ at parameter moe1.deepspeed_moe.experts.deepspeed_experts.0.up."
+            "weight: rank 1 has shape (16, 8) float32 (frozen), rank 3, which holds the same "
+            "experts, has shape (16, 8) float32"
+        ) in said
+        assert kept == (rank in (1, 3))  # the others train their expert 0 (global 0)

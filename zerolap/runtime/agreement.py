@@ -10,7 +10,10 @@ gathered, to name the first difference, the key or parameter, and the ranks.
 What may differ per rank is left out: where each rank logs and profiles, and its local paths
 (``nvme_path``: hosts mount their disks where they like). A pipeline's stages hold different
 layers: their parameters are compared between the ranks of one stage, and the whole layer
-list and its split between all ranks.
+list and its split between all ranks. Experts spread over ranks (``moe.parallel``) are
+different experts on each rank of an expert-parallel group under the same local names, which
+a user may freeze one by one: they are compared between the ranks holding the same experts
+(every E-th rank).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 
 import zerolap.comm as dist
 from zerolap.config import ConfigError, ZerolapConfig
+from zerolap.moe.parallel import expert_parallel_size
 from zerolap.pipe.module import PipelineModule
 
 __all__ = ["check_ranks_agree"]
@@ -55,13 +59,23 @@ def describe(config: ZerolapConfig, model: torch.nn.Module) -> dict[str, dict[st
     shared = {k: _shared(v) for k, v in sections.items() if k not in _RANK_LOCAL_SECTIONS}
     if isinstance(model, PipelineModule):
         shared[_PIPELINE_LAYERS] = {"list": model.layer_names(), "split": model.parts}
+    described = {"model": {}, "experts": {}}
+    spread = 1
+    for name, p in model.named_parameters():
+        size = expert_parallel_size(p)
+        spread = max(spread, size)
+        part = "experts" if size > 1 else "model"
+        described[part][name] = [
+            list(getattr(p, "ds_shape", p.shape)),
+            str(p.dtype),
+            p.requires_grad,
+        ]
     return {
         "config": shared,
         "stage": model.stage_id if isinstance(model, PipelineModule) else 0,
-        "model": {
-            name: [list(getattr(p, "ds_shape", p.shape)), str(p.dtype), p.requires_grad]
-            for name, p in model.named_parameters()
-        },
+        # Which experts this rank holds: its place in its expert-parallel group.
+        "place": dist.get_rank() % spread if spread > 1 else 0,
+        **described,
     }
 
 
@@ -83,9 +97,16 @@ def check_ranks_agree(
         return
     mine = None if invalid is not None else describe(config, model)
     digests = torch.tensor(
-        [0, 0, 0, 0]
+        [0] * 6
         if mine is None
-        else [1, _digest(mine["config"]), _digest(list(mine["model"].items())), mine["stage"]],
+        else [
+            1,
+            _digest(mine["config"]),
+            _digest(list(mine["model"].items())),
+            mine["stage"],
+            _digest(list(mine["experts"].items())),
+            mine["place"],
+        ],
         dtype=torch.int64,
         device=dist.buffer_device(),
     )
@@ -107,9 +128,11 @@ def check_ranks_agree(
 
 def _first_of_stage(gathered: list[torch.Tensor], digests: torch.Tensor) -> torch.Tensor:
     """Rank 0's digests, with the model's taken from the first rank of the same pipeline
-    stage (every rank's, without a pipeline)."""
+    stage (every rank's, without a pipeline), and the experts' from the first rank of the
+    same stage holding the same experts."""
     same = next(g for g in gathered if g[3] == digests[3])
-    return torch.stack([gathered[0][0], gathered[0][1], same[2], same[3]])
+    held = next(g for g in gathered if g[3] == digests[3] and g[5] == digests[5])
+    return torch.stack([gathered[0][0], gathered[0][1], same[2], same[3], held[4], held[5]])
 
 
 def _first_difference(everyone: list[dict[str, Any]]) -> str:
@@ -135,11 +158,25 @@ def _first_difference(everyone: list[dict[str, Any]]) -> str:
             f"{ref_rank} has {ours}, rank {odd[0]} has {theirs} (ranks differing from rank "
             f"{ref_rank}: {same})"
         )
+    holders = {(d["stage"], d["place"]): (r, d) for r, d in reversed(list(enumerate(everyone)))}
+    odd = [
+        r
+        for r, d in enumerate(everyone)
+        if d["experts"] != holders[d["stage"], d["place"]][1]["experts"]
+    ]
+    if odd:
+        ref_rank, ref = holders[everyone[odd[0]]["stage"], everyone[odd[0]]["place"]]
+        where, ours, theirs = _where(ref["experts"], everyone[odd[0]]["experts"], "model")
+        return (
+            f"the ranks were not given the same job: the experts differ at {where}: rank "
+            f"{ref_rank} has {ours}, rank {odd[0]}, which holds the same experts, has {theirs}"
+        )
     # Equal as mappings, so the model's parameters come in another order (another layout).
     odd = [
         r
         for r, d in enumerate(everyone)
         if list(d["model"]) != list(reference[d["stage"]][1]["model"])
+        or list(d["experts"]) != list(holders[d["stage"], d["place"]][1]["experts"])
     ]
     return (
         "the ranks were not given the same job: the model's parameters are registered in "
