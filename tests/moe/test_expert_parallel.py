@@ -1,7 +1,9 @@
-"""Expert parallelism: ``MoE(ep_size > 1)`` spreads the experts over ranks. A model with two MoE
-layers trains at ZeRO stages 0-2 as one process with every expert does (each rank's micro-batch
-routed as that rank routes it), its checkpoint resumes at another expert-parallel size, and
-what zerolap does not run is refused by name."""
+"""Expert parallelism: ``MoE(ep_size > 1)`` spreads the experts over ranks. The spread layer
+computes what one layer holding every expert does and moves the formula's bytes; a model with
+two MoE layers trains at ZeRO stages 0-2 as one process with every expert does (each rank's
+micro-batch routed as that rank routes it), within the memory formula; its checkpoint resumes
+at another expert-parallel size and consolidates to the model with every expert; an expert may
+be frozen where it is held; and what zerolap does not run is refused by name."""
 
 from __future__ import annotations
 

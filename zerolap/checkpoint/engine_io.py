@@ -22,9 +22,10 @@ pieces, so a checkpoint resumes at another tensor-parallel size (or none) and co
 the dense model's state dict.
 
 Under expert parallelism a rank's experts are named by their global index
-(``moe.layer.global_expert_names``): each rank saves its own experts' pieces, rank 0's model
-states merge its expert-parallel group's experts, and a run resumes at another ``ep_size`` (or
-none) and consolidates to the state dict of the model with every expert in one process.
+(``moe.parallel.global_expert_names``): each rank saves its own experts' pieces, rank 0's
+model states merge its expert-parallel group's experts, and a run resumes at another
+``ep_size`` (or none) and consolidates to the state dict of the model with every expert in one
+process.
 
 A pipeline's stages hold different layers under the whole model's names (``zerolap.pipe``):
 each saves its own pieces, rank 0's model states merge every stage's, and a load checks the

@@ -38,15 +38,7 @@ from zerolap.zero import GatheredParameters
 
 # DeepSpeed keeps the layer and its gates in one module (``deepspeed.moe.sharded_moe``), which
 # the shim answers with this one: the gates are importable from here too.
-__all__ = [
-    "Experts",
-    "MOELayer",
-    "MoE",
-    "TopKGate",
-    "top1gating",
-    "top2gating",
-    "topkgating",
-]
+__all__ = ["Experts", "MOELayer", "MoE", "TopKGate", "top1gating", "top2gating", "topkgating"]
 
 
 class Experts(torch.nn.Module):
