@@ -204,6 +204,29 @@ def check_coalesced_and_aliases():
     assert dist.has_all_reduce_coalesced()
 
 
+def check_torch_backend() -> None:
+    """DeepSpeed's backend object: torch's raw tensor collectives from the class (what
+    DeepSpeed's communication benchmark times), zerolap.comm's operations from an instance."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    raw = torch.empty(n)
+    dist.TorchBackend.get_all_gather_function()(raw, torch.tensor([float(rank)]))
+    assert raw.tolist() == [float(r) for r in range(n)]
+    out = torch.empty(1)
+    dist.TorchBackend.get_reduce_scatter_function()(out, torch.ones(n))
+    assert out.item() == n
+    backend = dist.TorchBackend("gloo")  # joined already: kept
+    t = torch.tensor([float(rank)])
+    COMMS_LOGGER.reset()
+    dist.configure(enabled=True, prof_all=True)
+    backend.all_reduce(t)
+    dist.configure(enabled=False)
+    assert t.item() == n * (n - 1) / 2
+    assert [r.name for r in COMMS_LOGGER.records] == ["all_reduce"]
+    assert backend.get_world_size() == n and backend.name == "torch"
+    with pytest.raises(AttributeError, match="TorchBackend has no operation 'all_reduce_bogus'"):
+        backend.all_reduce_bogus(t)
+
+
 CHECKS = [
     check_all_to_all_single,
     check_all_to_all_lists,
@@ -211,6 +234,7 @@ CHECKS = [
     check_object_collectives,
     check_barriers_and_group_helpers,
     check_coalesced_and_aliases,
+    check_torch_backend,
 ]
 
 

@@ -5,6 +5,7 @@ accepts ``async_op=True`` where DeepSpeed does (returning a ``Handle`` whose ``w
 it) and passes through the comms logger, whose records also feed the overlap profiler.
 """
 
+from zerolap.comm.backend import TorchBackend
 from zerolap.comm.barriers import barrier, check_in, monitored_barrier
 from zerolap.comm.checks import buffer_device
 from zerolap.comm.coalesced import (
@@ -69,6 +70,7 @@ __all__ = [
     "CommError",
     "Handle",
     "ReduceOp",
+    "TorchBackend",
     "all_gather",
     "all_gather_coalesced",
     "all_gather_into_tensor",
