@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.zero_bench import ENV, parse_in_rounds, spawn
 
 SYSTEMS = ("ep1", "ep2")
+CAPACITY_FACTOR, MIN_CAPACITY = 1.25, 4  # top-2's buffers: 2 x 1.25 x an even share of tokens
 
 
 def _model(args, ep_size: int):
@@ -50,7 +51,8 @@ def _model(args, ep_size: int):
             expert = torch.nn.Sequential(
                 torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d)
             )
-            routing = {"k": 2, "capacity_factor": 1.25, "top2_2nd_expert_sampling": False}
+            routing = {"k": 2, "capacity_factor": CAPACITY_FACTOR, "min_capacity": MIN_CAPACITY,
+                       "top2_2nd_expert_sampling": False}  # fmt: skip
             self.moes = torch.nn.ModuleList(
                 MoE(d, expert, args.experts, ep_size, **routing) for _ in range(args.layers)
             )
@@ -117,7 +119,9 @@ def _run(rank: int, system: str, args, port: int) -> dict:
     a2a = [r for r in COMMS_LOGGER.records if r.op == "all_to_all_single"]
     kinds = exposure(a2a, ("all_to_all_single",)) if a2a else {}
     memory = engine.memory_breakdown()
-    room = capacity(args.micro_batch * args.seq_len, args.experts, 2 * 1.25, 4)
+    room = capacity(
+        args.micro_batch * args.seq_len, args.experts, 2 * CAPACITY_FACTOR, MIN_CAPACITY
+    )
     buffer_bytes = args.experts * room * args.d_model * 4
     return {
         "times": times[args.warmup :],

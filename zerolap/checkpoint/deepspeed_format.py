@@ -215,20 +215,20 @@ def _ep_rank_groups(client_groups, ep_rank: int, local_experts: dict[str, int]):
     loading rank's, whatever their number here."""
     out = []
     for group in client_groups:
-        listed, rests, done = [], {}, set()
+        # A layer's experts go where its first one was listed; each expert's parameters are
+        # its first expert's ``rests`` (the name's tail after the index) in order.
+        listed, rests = [], {}
         for name, trains in group:
             match = _EXPERT_NAME.fullmatch(name)
             if match is None or match.group(1) not in local_experts:
                 listed.append((name, trains))
                 continue
             prefix, index, rest = match.groups()
-            first = rests.setdefault(prefix, (index, []))
-            if first[0] == index:
-                first[1].append((rest, trains))
-            if prefix in done:
-                continue
-            done.add(prefix)
-            listed.append((prefix, None))  # this layer's experts go here, in module order
+            if prefix not in rests:
+                rests[prefix] = (index, [])
+                listed.append((prefix, None))
+            if rests[prefix][0] == index:
+                rests[prefix][1].append((rest, trains))
         group_out = []
         for name, trains in listed:
             if trains is not None:

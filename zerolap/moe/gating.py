@@ -28,11 +28,13 @@ import torch
 import torch.nn.functional as F
 
 import zerolap.comm as dist
+from zerolap.utils.logging import warning_once
 
 __all__ = [
     "NOISY_GATE_POLICIES",
     "TopKGate",
     "capacity",
+    "no_tutel",
     "top1gating",
     "top2gating",
     "topkgating",
@@ -77,6 +79,16 @@ def _balance_loss(gates: torch.Tensor, first_choice: torch.Tensor) -> torch.Tens
     return torch.sum(gates.mean(dim=0) * first_choice.float().mean(dim=0)) * experts
 
 
+def no_tutel(use_tutel: bool) -> None:
+    """DeepSpeed's Tutel kernels are a faster path to the same routing; zerolap dispatches with
+    einsum, and says so once when they are asked for."""
+    if use_tutel:
+        warning_once(
+            "MoE use_tutel=True: zerolap has no Tutel kernels; tokens are dispatched with "
+            "einsum (the same results)"
+        )
+
+
 def _agreed(room: int, ep_group, device) -> int:
     """``room``, the largest over the expert-parallel group (itself without one): one small
     all-reduce, and a wait for it, per gate call, since the room sizes the buffers."""
@@ -107,8 +119,9 @@ def top1gating(
     """Each token to its most probable expert (with ``RSample``, the most probable after Gumbel
     noise), weighted by that probability. Over capacity, ``use_rts`` keeps a random choice of
     the expert's tokens (random token selection); otherwise the first ones in order.
-    ``used_token`` [S] (0 or 1) routes only the tokens it marks. ``use_tutel`` (DeepSpeed's
-    Tutel kernels) changes nothing here: the routing is the same, dispatched with einsum."""
+    ``used_token`` [S] (0 or 1) routes only the tokens it marks. ``use_tutel``: see
+    ``no_tutel``."""
+    no_tutel(use_tutel)
     gates = F.softmax(logits, dim=1)
     tokens, experts = gates.shape
     chooser = (
@@ -264,7 +277,8 @@ class TopKGate(torch.nn.Module):
         self, tokens: torch.Tensor, used_token: torch.Tensor | None = None, use_tutel=False
     ):
         """``tokens`` [S, model_dim] -> ``(l_aux, combine_weights, dispatch_mask, exp_counts)``
-        (``use_tutel``: as in ``top1gating``)."""
+        (``use_tutel``: see ``no_tutel``)."""
+        no_tutel(use_tutel)
         tokens = tokens.float()
         noise = self.noisy_gate_policy if self.training else None
         if noise == "Jitter":

@@ -32,8 +32,7 @@ import torch
 
 import zerolap.comm as dist
 from zerolap.moe.exchange import all_to_all
-from zerolap.moe.gating import TopKGate, top1gating, top2gating, topkgating
-from zerolap.utils.logging import warning_once
+from zerolap.moe.gating import TopKGate, no_tutel, top1gating, top2gating, topkgating
 from zerolap.zero import GatheredParameters
 
 # DeepSpeed keeps the layer and its gates in one module (``deepspeed.moe.sharded_moe``), which
@@ -85,11 +84,7 @@ class MOELayer(torch.nn.Module):
         use_tutel: bool = False,
     ) -> None:
         super().__init__()
-        if use_tutel:
-            warning_once(
-                "MoE use_tutel=True: zerolap has no Tutel kernels; tokens are dispatched with "
-                "einsum (the same results)"
-            )
+        no_tutel(use_tutel)
         self.gate = gate
         self.experts = experts
         self.ep_group_name = ep_group_name
@@ -106,9 +101,8 @@ class MOELayer(torch.nn.Module):
         self.gate._set_ep_group(ep_group)
         self.experts.first_expert = dist.get_rank(ep_group) * self.num_local_experts
 
-    def forward(self, *inputs: torch.Tensor, **kwargs) -> torch.Tensor:
-        """``forward(tokens, used_token=None)``; DeepSpeed's other keywords select its kernels
-        only, and change nothing here."""
+    def forward(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """``forward(tokens, used_token=None)``."""
         if self.ep_size > 1 and self.ep_group is None:
             raise RuntimeError(
                 f"MoE layer with ep_size={self.ep_size} run before zerolap.initialize: its "

@@ -416,10 +416,14 @@ class ZerolapEngine(torch.nn.Module):
                 defer=zero.overlap_param_gather,
             )
 
+    def _experts_group(self):
+        """The ranks holding the same experts as this one (None without expert parallelism)."""
+        return self.mesh.expert_groups(self.ep_size).data_group if self.ep_size > 1 else None
+
     def _bucket_groups(self) -> list:
         """Per bucket of the layout, the group its chunks are spread over: the data-parallel
         group, or for experts the ranks holding the same experts."""
-        experts = self.mesh.expert_groups(self.ep_size).data_group if self.ep_size > 1 else None
+        experts = self._experts_group()
         return [experts if b.stride > 1 else self.group for b in self.layout.buckets]
 
     def _broadcast_initial_state(self) -> None:
@@ -429,7 +433,7 @@ class ZerolapEngine(torch.nn.Module):
         if self.world_size == 1:
             return
         src = self._src_rank()
-        experts = self.mesh.expert_groups(self.ep_size).data_group if self.ep_size > 1 else None
+        experts = self._experts_group()
 
         def send(tensor, expert: bool) -> None:
             if not expert:
