@@ -13,7 +13,8 @@ then compare (2 processes per run, tiny GPT-2 and Llama from ``save_pretrained``
 
 The script each side runs is ``tests/clients/hf_trainer.py`` (ds_config of "auto" values,
 accumulation 2, evaluation and a checkpoint every 2 of 4 steps). It prints one table row per
-comparison: the largest loss difference and both wall times.
+comparison: the largest loss difference and both wall times; then Accelerate's sequence
+parallelism (``--sp 2``) under both, with each one's gradient norms against plain DDP's.
 """
 
 from __future__ import annotations
@@ -113,7 +114,38 @@ def main() -> int:
     for name, gap, real_s, ours_s in rows:
         real = "-" if real_s is None else f"{real_s:.1f}"
         print(f"| {name} | {gap:.1e} | {real} | {ours_s:.1f} |")
+    print()
+    print(sequence_parallel(args.deepspeed_python, root, models["llama"]))
     return 0
+
+
+def sequence_parallel(python: str, root: Path, model: Path) -> str:
+    """Accelerate's Ulysses path (``sp_size`` 2 over both ranks, each step accumulating the two
+    ranks' batches), with the gradient norms each library reports beside those of plain DDP
+    over the same batches: the gradient of the loss is that norm."""
+    plain, _ = run(sys.executable, root / "plain llama", ["--model", str(model), "--gas", "1"])
+    lines = [
+        "| Ulysses, sp 2 | max abs loss difference | grad norm / DDP's: DeepSpeed 0.19.8 | "
+        "zerolap | DeepSpeed s | zerolap s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for stage in (2, 3):
+        flags = ["--model", str(model), "--stage", str(stage), "--sp", "2", "--gas", "2"]
+        real, real_s = run(python, root / f"ds sp {stage}", flags)
+        ours, ours_s = run(sys.executable, root / f"zl sp {stage}", flags)
+        gap = max(
+            _gap(real["losses"], ours["losses"], range(1, 5)),
+            _gap(real["evals"], ours["evals"], (2, 4)),
+        )
+        ratios = [
+            max(r["grad_norms"][str(s)] / plain["grad_norms"][str(s)] for s in range(1, 5))
+            for r in (real, ours)
+        ]
+        lines.append(
+            f"| ZeRO {stage} | {gap:.1e} | {ratios[0]:.4f} | {ratios[1]:.4f} | {real_s:.1f} "
+            f"| {ours_s:.1f} |"
+        )
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.zero_bench import ENV, parse_in_rounds, spawn
+from benchmarks.zero_bench import ENV, in_rounds, median_step, parse_in_rounds
 
 SYSTEMS = ("ep1", "ep2")
 CAPACITY_FACTOR, MIN_CAPACITY = 1.25, 4  # top-2's buffers: 2 x 1.25 x an even share of tokens
@@ -134,16 +132,6 @@ def _run(rank: int, system: str, args, port: int) -> dict:
     }
 
 
-def _rank_main(rank: int, system: str, args, port: int, results) -> None:
-    import torch
-
-    torch.set_num_threads(1)
-    try:
-        results.put((rank, True, _run(rank, system, args, port)))
-    except BaseException:
-        results.put((rank, False, traceback.format_exc()))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--stage", type=int, default=2, choices=(0, 1, 2))
@@ -155,11 +143,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     args = parse_in_rounds(parser)
     os.environ.update(ENV)
-    runs: dict[str, list[list[dict]]] = {s: [] for s in SYSTEMS}
-    for round_index in range(args.rounds):
-        for system in SYSTEMS:
-            runs[system].append(spawn(2, _rank_main, (system, args)))
-            print(f"round {round_index + 1}: {system} done", file=sys.stderr)
+    runs = in_rounds(SYSTEMS, _run, args)
     print(
         f"{args.layers} MoE layers x {args.experts} experts (d={args.d_model}, top-2), ZeRO "
         f"{args.stage}, 2 ranks on gloo, micro-batch {args.micro_batch} x {args.seq_len} "
@@ -171,12 +155,7 @@ def main() -> None:
         "(formula) | all-to-all ms/step | waited ms/step |"
     )
     print("|---|---|---|---|---|---|---|---|")
-    step_s = {}
-    for system, rounds in runs.items():
-        per_step = [
-            max(r["times"][i] for r in ranks) for ranks in rounds for i in range(args.steps)
-        ]
-        step_s[system] = statistics.median(per_step)
+    step_s = {system: median_step(rounds, args.steps) for system, rounds in runs.items()}
     for system, rounds in runs.items():
         rank0 = rounds[0][0]
         a2a = rank0["a2a"].get("all_to_all_single")

@@ -497,6 +497,36 @@ def parse_in_rounds(parser: argparse.ArgumentParser) -> argparse.Namespace:
     return args
 
 
+def call_rank(rank: int, fn: Callable, args: tuple, port: int, results) -> None:
+    """A spawned rank on one thread: ``fn(rank, *args, port)``'s value, or its traceback, put on
+    ``results``."""
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        results.put((rank, True, fn(rank, *args, port)))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def in_rounds(systems: tuple[str, ...], fn: Callable, args, world_size: int = 2) -> dict:
+    """``fn(rank, system, args, port)`` on fresh processes for each system in turn, round after
+    round (``args.rounds``): system -> one list of rank results per round."""
+    runs: dict[str, list[list]] = {system: [] for system in systems}
+    for round_index in range(args.rounds):
+        for system in systems:
+            runs[system].append(spawn(world_size, call_rank, (fn, (system, args))))
+            print(f"round {round_index + 1}: {system} done", file=sys.stderr)
+    return runs
+
+
+def median_step(rounds: list[list[dict]], steps: int) -> float:
+    """The median over rounds and steps of the slowest rank's step (each result's ``times``)."""
+    return statistics.median(
+        max(rank["times"][i] for rank in ranks) for ranks in rounds for i in range(steps)
+    )
+
+
 def spawn(world_size: int, target: Callable, args: tuple, timeout: float = TIMEOUT_S) -> list:
     """``target(rank, *args, port, results)`` on ``world_size`` fresh processes, each putting
     ``(rank, ok, value)`` on ``results``; the values in rank order, or a RuntimeError naming

@@ -1,9 +1,9 @@
 """Which ranks form which groups: the one place every parallelism asks.
 
-The job's ranks form a (pipe, data, tensor) mesh, pipeline stages outermost and tensor-parallel
-ranks *consecutive* (DeepSpeed's and Megatron's order):
+The job's ranks form a (pipe, data, sequence, tensor) mesh, pipeline stages outermost and
+tensor-parallel ranks *consecutive* (DeepSpeed's and Megatron's order):
 
-    global rank = (pipe_rank * D + data_rank) * T + tensor_rank
+    global rank = ((pipe_rank * D + data_rank) * S + sequence_rank) * T + tensor_rank
 
 so a tensor-parallel group (which talks in every layer, forward and backward) is a run of
 neighbouring ranks, usually one host; data-parallel groups (which talk once per bucket) stride
@@ -12,6 +12,12 @@ apart. ZeRO shards and reduces over the data-parallel group only; tensor paralle
 the tensor group; a pipeline stage talks to its neighbours in the *pipe* group. The ranks that
 together hold one copy of the model (the *model* group: every stage's tensor group) are what a
 global gradient norm sums over besides the data-parallel ranks.
+
+Sequence parallelism (Ulysses, ``zerolap.sequence_parallel``; S > 1 only without tensor or
+pipeline parallelism) puts S consecutive ranks on the pieces of the same sequences: they hold
+the whole model each and work on the same batches, so "data-parallel" (distinct batches,
+D = world / S) strides across them, while ZeRO shards and reduces over all D x S ranks
+(DeepSpeed's *sequence-data-parallel* group, ``Mesh.zero_group``).
 
 ``ParallelDims`` is the pure arithmetic (checked once, naming every degree); ``Mesh`` is this
 rank's place in it with the process groups, built by ``build_mesh`` (every rank creates every
@@ -47,8 +53,10 @@ __all__ = [
     "PipelineParallelGrid",
     "ProcessTopology",
     "build_mesh",
+    "job_mesh",
     "mesh_from_mpu",
     "parallel_dims",
+    "use_mesh",
 ]
 
 
@@ -62,13 +70,28 @@ class ParallelDims:
     """Tensor-parallel degree T: ranks that split each layer's matrices."""
     pipe: int = 1
     """Pipeline-parallel degree P: stages that each hold a run of the model's layers."""
+    sequence: int = 1
+    """Sequence-parallel degree S: ranks that each hold a piece of every sequence."""
 
     def __post_init__(self) -> None:
         if self.tensor < 1:
             raise ValueError(f"tensor_parallel.autotp_size must be at least 1, got {self.tensor}")
         if self.pipe < 1:
             raise ValueError(f"the number of pipeline stages must be at least 1, got {self.pipe}")
-        if self.world_size % (self.tensor * self.pipe):
+        if self.sequence < 1:
+            raise ValueError(f"sequence_parallel_size must be at least 1, got {self.sequence}")
+        if self.sequence > 1 and (self.tensor > 1 or self.pipe > 1):
+            raise ValueError(
+                f"sequence_parallel_size={self.sequence} with tensor_parallel.autotp_size="
+                f"{self.tensor} and {self.pipe} pipeline stages: zerolap's sequence parallelism "
+                "runs with data parallelism only"
+            )
+        if self.world_size % (self.sequence * self.tensor * self.pipe):
+            if self.sequence > 1:
+                raise ValueError(
+                    f"sequence_parallel_size={self.sequence} does not divide the world size "
+                    f"{self.world_size}"
+                )
             degrees = f"tensor_parallel.autotp_size={self.tensor}"
             if self.pipe > 1:
                 degrees = f"{self.pipe} pipeline stages x {degrees}"
@@ -80,24 +103,37 @@ class ParallelDims:
     @property
     def data(self) -> int:
         """Data-parallel degree: copies of the model, each seeing its own batches."""
-        return self.world_size // (self.tensor * self.pipe)
+        return self.world_size // (self.sequence * self.tensor * self.pipe)
 
     def coordinates(self, rank: int) -> tuple[int, int, int]:
         """``(pipe_rank, data_rank, tensor_rank)`` of global ``rank``."""
-        pipe, rest = divmod(rank, self.data * self.tensor)
-        return (pipe, *divmod(rest, self.tensor))
+        pipe, rest = divmod(rank, self.data * self.sequence * self.tensor)
+        data_sequence, tensor = divmod(rest, self.tensor)
+        return pipe, data_sequence // self.sequence, tensor
 
-    def rank_of(self, pipe: int, data: int, tensor: int) -> int:
+    def sequence_rank(self, rank: int) -> int:
+        """Which piece of each sequence global ``rank`` holds."""
+        return rank // self.tensor % self.sequence
+
+    def rank_of(self, pipe: int, data: int, tensor: int, *, sequence: int = 0) -> int:
         """The global rank at these coordinates."""
-        return (pipe * self.data + data) * self.tensor + tensor
+        return ((pipe * self.data + data) * self.sequence + sequence) * self.tensor + tensor
 
     def tensor_ranks(self, data_rank: int, pipe_rank: int = 0) -> list[int]:
         """The global ranks of the tensor group at ``(pipe_rank, data_rank)``."""
         return [self.rank_of(pipe_rank, data_rank, t) for t in range(self.tensor)]
 
-    def data_ranks(self, tensor_rank: int, pipe_rank: int = 0) -> list[int]:
-        """The global ranks of the data-parallel group at ``(pipe_rank, tensor_rank)``."""
-        return [self.rank_of(pipe_rank, d, tensor_rank) for d in range(self.data)]
+    def data_ranks(self, tensor_rank: int, pipe_rank: int = 0, *, sequence_rank: int = 0) -> list:
+        """The global ranks of the data-parallel group at ``(pipe_rank, tensor_rank,
+        sequence_rank)``."""
+        return [
+            self.rank_of(pipe_rank, d, tensor_rank, sequence=sequence_rank)
+            for d in range(self.data)
+        ]
+
+    def sequence_ranks(self, data_rank: int) -> list[int]:
+        """The global ranks of the sequence-parallel group at ``data_rank``."""
+        return [self.rank_of(0, data_rank, 0, sequence=s) for s in range(self.sequence)]
 
     def pipe_ranks(self, data_rank: int, tensor_rank: int) -> list[int]:
         """The global ranks of one pipeline: stage 0, 1, ... at ``(data_rank, tensor_rank)``."""
@@ -271,12 +307,22 @@ class Mesh:
     # pipeline, every stage's tensor group with one; None when the model is not split.
     model_group: torch_dist.ProcessGroup | None = None
 
+    # The ranks holding the other pieces of this rank's sequences; None when S == 1.
+    sequence_group: torch_dist.ProcessGroup | None = None
+
     # Expert parallelism's groups, by expert-parallel size, made on first request.
     experts: dict[int, ExpertGroups] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.model_group is None and self.dims.pipe == 1:
             self.model_group = self.tensor_group
+
+    @property
+    def zero_group(self) -> torch_dist.ProcessGroup | None:
+        """The ranks ZeRO shards over and reduces gradients across: the data-parallel group,
+        and with sequence parallelism every rank holding a piece of its sequences too (the
+        whole job, since S > 1 comes without tensor or pipeline parallelism)."""
+        return self.data_group if self.dims.sequence == 1 else None
 
     def expert_groups(self, size: int) -> ExpertGroups:
         """The expert-parallel and expert-data-parallel groups of ``size``, made on the first
@@ -359,6 +405,27 @@ class Mesh:
 
     def get_pipe_parallel_group(self):
         return self.pipe_group
+
+    def get_sequence_parallel_group(self):
+        if self.sequence_group is None:
+            raise ValueError("this job has no sequence-parallel group (sequence_parallel_size 1)")
+        return self.sequence_group
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.dims.sequence
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.dims.sequence_rank(self.rank)
+
+    def get_sequence_data_parallel_group(self):
+        group = self.zero_group
+        return group if group is not None else dist.get_world_group()
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.dims.data * self.dims.sequence
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.data_rank * self.dims.sequence + self.get_sequence_parallel_rank()
 
     get_pipe_parallel_world_size = get_pipeline_model_parallel_world_size
     get_pipe_parallel_rank = get_pipeline_model_parallel_rank
@@ -494,11 +561,14 @@ def _prime_factors(n: int) -> list[int]:
     return factors
 
 
-def build_mesh(tensor: int = 1, pipe: int = 1) -> Mesh:
-    """The mesh of the current job with tensor-parallel degree ``tensor`` and ``pipe`` pipeline
-    stages. Every rank must call it (it creates process groups) with the same degrees."""
+def build_mesh(tensor: int = 1, pipe: int = 1, sequence: int = 1) -> Mesh:
+    """The mesh of the current job with tensor-parallel degree ``tensor``, ``pipe`` pipeline
+    stages and sequence-parallel degree ``sequence``. Every rank must call it (it creates
+    process groups) with the same degrees."""
     world, rank = dist.get_world_size(), dist.get_rank()
-    dims = ParallelDims(world, tensor, pipe)
+    dims = ParallelDims(world, tensor, pipe, sequence)
+    if dims.sequence > 1:
+        return _sequence_mesh(dims, rank)
     if dims.tensor == 1 and dims.pipe == 1:
         return Mesh(dims, rank, data_group=None, tensor_group=None)
     coords = [dims.coordinates(r) for r in range(world)]
@@ -534,10 +604,62 @@ def build_mesh(tensor: int = 1, pipe: int = 1) -> Mesh:
     )
 
 
+_job: tuple[Mesh, object] | None = None  # the last engine's mesh, and the default group then
+
+
+def use_mesh(mesh: Mesh) -> None:
+    """Record ``mesh`` as the job's (``initialize`` does), for DeepSpeed's module-level group
+    questions (``deepspeed.utils.groups``)."""
+    global _job
+    _job = (mesh, torch_dist.group.WORLD)
+
+
+def job_mesh() -> Mesh:
+    """The mesh the last engine of this process group was built on; without one, the job as
+    data parallelism alone (no groups are made)."""
+    if _job is not None and _job[1] is torch_dist.group.WORLD:
+        return _job[0]
+    return Mesh(ParallelDims(dist.get_world_size()), dist.get_rank(), None, None)
+
+
+def _sequence_mesh(dims: ParallelDims, rank: int) -> Mesh:
+    """Sequence parallelism's mesh: runs of S consecutive ranks share sequences, every S-th
+    rank forms a data-parallel group (every rank creates every group, in one order). Both are
+    real groups even when one is the whole job or one rank (D = 1): attention talks over the
+    first by name, and ``get_data_parallel_group`` answers the second, where None would mean
+    the whole job."""
+    sequence_group = data_group = None
+    for d in range(dims.data):
+        ranks = dims.sequence_ranks(d)
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            sequence_group = group
+    for s in range(dims.sequence):
+        ranks = dims.data_ranks(0, 0, sequence_rank=s)
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            data_group = group
+    return Mesh(dims, rank, data_group=data_group, tensor_group=None, sequence_group=sequence_group)
+
+
 def mesh_from_mpu(mpu) -> Mesh:
     """The mesh a Megatron-style ``mpu`` describes (``initialize(mpu=...)``): its data-parallel
     group and its tensor- (or model-) parallel group. The layout must be ours (tensor ranks
-    consecutive), which Megatron's is; anything else is named."""
+    consecutive), which Megatron's is; anything else is named. A ``Mesh``, or sequence
+    parallelism's state (``zerolap.sequence_parallel.state``, DeepSpeed's ``parallel_state_sp``,
+    which Accelerate passes), gives its own mesh."""
+    if isinstance(mpu, Mesh):
+        return mpu
+    if callable(getattr(mpu, "current_mesh", None)):
+        return mpu.current_mesh()
+    # Megatron-DeepSpeed's mpu always has sequence-parallel groups, of one rank without it.
+    sequence = getattr(mpu, "get_sequence_parallel_world_size", None)
+    if callable(sequence) and sequence() > 1:
+        raise TypeError(
+            f"initialize(mpu=...): an mpu with sequence-parallel groups of {sequence()} ranks "
+            "must be zerolap's (deepspeed.runtime.sequence_parallel.parallel_state_sp after "
+            "initialize_sequence_parallel)"
+        )
     for name in ("get_data_parallel_group", "get_model_parallel_world_size"):
         if not callable(getattr(mpu, name, None)):
             raise TypeError(f"initialize(mpu=...): the mpu object has no method {name}()")

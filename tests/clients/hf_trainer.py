@@ -66,15 +66,34 @@ def tiny_config(arch: str, dropout: float = 0.1):
 
 
 class Tokens(torch.utils.data.Dataset):
-    def __init__(self, count: int, seed: int) -> None:
+    def __init__(self, count: int, seed: int, positions: bool = False) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(0, VOCAB, (count, 16), generator=generator)
+        self.positions = positions  # sequence parallelism needs each token's place
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+        item = {"input_ids": self.ids[i], "labels": self.ids[i]}
+        if self.positions:
+            item["position_ids"] = torch.arange(len(self.ids[i]))
+        return item
+
+
+def sequence_parallel(size: int) -> dict:
+    """Accelerate's ParallelismConfig for DeepSpeed's Ulysses sequence parallelism."""
+    from accelerate import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    handler = DeepSpeedSequenceParallelConfig(
+        sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"
+    )
+    return {
+        "parallelism_config": ParallelismConfig(
+            sp_backend="deepspeed", sp_size=size, sp_handler=handler
+        )
+    }
 
 
 def main() -> None:
@@ -90,6 +109,8 @@ def main() -> None:
         action="store_true",
         help="offload to host memory as from an accelerator (the CPU stands in for one)",
     )
+    parser.add_argument("--sp", type=int, default=1, help="sequence parallelism (Ulysses)")
+    parser.add_argument("--gas", type=int, default=2, help="gradient_accumulation_steps")
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume")
     parser.add_argument("--init-out", help="save the initial weights here (save_pretrained)")
@@ -98,7 +119,7 @@ def main() -> None:
     training = TrainingArguments(
         output_dir=args.out,
         per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
+        gradient_accumulation_steps=args.gas,
         max_steps=4,
         learning_rate=1e-2,
         warmup_steps=1,
@@ -120,6 +141,7 @@ def main() -> None:
         )
         if args.stage >= 0
         else None,
+        **(sequence_parallel(args.sp) if args.sp > 1 else {}),
     )
     if args.stage >= 0:
         # Real DeepSpeed's zero.Init reads the world size from deepspeed.comm, which Accelerate
@@ -133,10 +155,12 @@ def main() -> None:
 
         zerolap.offload.apart_from_host = lambda device: True
     torch.manual_seed(0)
+    # Sequence parallelism wraps the attention kernel the model runs (sdpa here).
+    attention = {"attn_implementation": "sdpa"} if args.sp > 1 else {}
     if args.model:
-        model = AutoModelForCausalLM.from_pretrained(args.model)
+        model = AutoModelForCausalLM.from_pretrained(args.model, **attention)
     else:
-        model = AutoModelForCausalLM.from_config(tiny_config(args.arch))
+        model = AutoModelForCausalLM.from_config(tiny_config(args.arch), **attention)
     first = next(model.parameters())
     sharded_at_build = first.numel() == 0 and getattr(first, "ds_numel", 0) > 0
     if args.init_out:
@@ -148,7 +172,10 @@ def main() -> None:
                 model.save_pretrained(args.init_out, safe_serialization=True)
         torch.distributed.barrier()
     trainer = Trainer(
-        model=model, args=training, train_dataset=Tokens(64, 1), eval_dataset=Tokens(8, 2)
+        model=model,
+        args=training,
+        train_dataset=Tokens(64, 1, positions=args.sp > 1),
+        eval_dataset=Tokens(8, 2, positions=args.sp > 1),
     )
     trainer.train(resume_from_checkpoint=args.resume)
     history = trainer.state.log_history
@@ -160,6 +187,7 @@ def main() -> None:
         "engine": type(trainer.model_wrapped).__module__,
         "tensor_parallel": getattr(trainer.model_wrapped, "mp_world_size", 1),
         "data_parallel": getattr(trainer.model_wrapped, "dp_world_size", None),
+        "sequence_parallel": getattr(trainer.model_wrapped, "sequence_parallel_size", 1),
     }
     if args.offload_apart:  # zerolap's engine (real DeepSpeed has no memory_breakdown)
         result["host_bytes"] = trainer.model_wrapped.memory_breakdown().host_bytes

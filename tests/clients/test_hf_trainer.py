@@ -70,6 +70,13 @@ def runs(tmp_path_factory):
         "gpt2 tp 2 x dp 2, trainer's optimizer": [
             *undropped_model, "--stage", "2", "--tp", "2", "--tp-overlap", "backward",
         ],
+        # Sequence parallelism over both ranks: accumulating the two ranks' batches in turn
+        # is one step of plain DDP over them.
+        "llama plain, no accumulation": [*llama_model, "--gas", "1"],
+        "llama sp 2, stage 2": [*llama_model, "--stage", "2", "--sp", "2", "--gas", "2"],
+        "llama sp 2, stage 3": [
+            *llama_model, "--stage", "3", "--sp", "2", "--gas", "2", "--ds-optimizer"
+        ],
     }  # fmt: skip
     nproc = {"gpt2 tp 2 x dp 2": 4, "gpt2 tp 2 x dp 2, trainer's optimizer": 4}
 
@@ -77,6 +84,9 @@ def runs(tmp_path_factory):
         "gpt2 stage 3 resumed": "gpt2 stage 3",
         "llama plain": "llama stage 3",
         "llama stage 2 resumed": "llama stage 3",
+        "llama plain, no accumulation": "llama stage 3",
+        "llama sp 2, stage 2": "llama stage 3",
+        "llama sp 2, stage 3": "llama stage 3",
     }
 
     @functools.cache
@@ -159,3 +169,18 @@ def test_tensor_parallel_through_tp_model_init_trains_as_plain_ddp(runs, name):
     assert (tp["tensor_parallel"], tp["data_parallel"]) == (2, 2)
     _close(tp["losses"], plain["losses"], range(1, 5))
     _close(tp["evals"], plain["evals"], (2, 4))
+
+
+@pytest.mark.parametrize("name", ["llama sp 2, stage 2", "llama sp 2, stage 3"])
+def test_sequence_parallel_through_accelerate_trains_as_plain_ddp(runs, name):
+    """``ParallelismConfig(sp_backend="deepspeed", sp_size=2)``: Accelerate registers Ulysses
+    attention, wraps the loader in ``UlyssesSPDataLoaderAdapter`` and passes its mpu to
+    ``initialize``; the Trainer all-gathers the pieces' losses. Each step accumulates the two
+    ranks' batches, every sequence cut over both ranks, and trains as one step of plain DDP
+    over the same batches: the same losses and the same gradient norms (DeepSpeed 0.19.8's
+    stage 2 reports, and applies, twice the norm)."""
+    sp, plain = runs(name), runs("llama plain, no accumulation")
+    assert (sp["sequence_parallel"], sp["data_parallel"]) == (2, 1)
+    _close(sp["losses"], plain["losses"], range(1, 5))
+    _close(sp["grad_norms"], plain["grad_norms"], range(1, 5))
+    _close(sp["evals"], plain["evals"], (2, 4))

@@ -146,13 +146,15 @@ def _frozen_keys(engine) -> list[str]:
 
 def _shard_runs(engine, names: list[str], exclude_frozen: bool) -> list[dict]:
     """What this rank saves of the parameters: its optimizer runs (stage 0: data-parallel rank
-    0 alone, one copy per tensor rank suffices, and under expert parallelism the first rank
-    holding each set of experts, those), and under stage 3 also its elements of managed
-    parameters outside every run (frozen ones, unless excluded)."""
+    0 alone, one copy per tensor rank suffices, the first piece's rank under sequence
+    parallelism, and under expert parallelism the first rank holding each set of experts,
+    those), and under stage 3 also its elements of managed parameters outside every run
+    (frozen ones, unless excluded)."""
     runs = []
     optimizer = engine.optimizer
     splits = _splits(engine, names)
-    if optimizer is not None and (engine.plan.shard_optimizer or engine.mesh.data_rank == 0):
+    first = engine.mesh.data_rank == 0 and engine.mesh.get_sequence_parallel_rank() == 0
+    if optimizer is not None and (engine.plan.shard_optimizer or first):
         runs = collect_runs(optimizer, engine.layout, names, splits)
     elif optimizer is not None and engine.mesh.data_rank < engine.ep_size:
         # Stage 0 under expert parallelism: the first rank holding each set of experts.

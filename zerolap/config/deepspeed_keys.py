@@ -102,8 +102,6 @@ class DeepSpeedKeys(ConfigSection):
     """DeepSpeed's data loader drops the last incomplete batch."""
     disable_python_gc: Annotated[bool, DeepSpeedOnly()] = False
     """DeepSpeed turns off Python's cyclic garbage collector."""
-    seq_parallel_communication_data_type: Annotated[str | None, DeepSpeedOnly()] = "fp32"
-    """DeepSpeed's gradient dtype for sequence parallelism."""
     vocabulary_size: Annotated[int | None, DeepSpeedOnly()] = None
     """DeepSpeed warns when this is not a multiple of 8."""
     seed: Annotated[int | None, DeepSpeedOnly()] = None
@@ -134,9 +132,14 @@ class DeepSpeedKeys(ConfigSection):
     """DeepSpeed's elastic training."""
     sequence_parallel_size: Annotated[
         int | None,
-        DeepSpeedOnly(lambda size: size not in (None, 1), "sequence parallelism is not supported"),
+        DeepSpeedOnly(
+            lambda size: size not in (None, 1),
+            "DeepSpeed builds a device mesh from it; zerolap's sequence parallelism comes from "
+            "the mpu UlyssesSPAttentionHF.register_with_transformers returns (Accelerate's "
+            "path), passed to initialize(mpu=...)",
+        ),
     ] = None
-    """DeepSpeed's Ulysses sequence-parallel degree."""
+    """DeepSpeed's Ulysses sequence-parallel degree for its own device mesh."""
     gradient_allreduce_op: Annotated[
         Literal["mean", "sum"],
         BeforeValidator(_lower),

@@ -79,6 +79,9 @@ class ZerolapConfig(DeepSpeedKeys):
     """Divide gradients by this before the reduction and by ``world_size / factor`` after."""
     communication_data_type: DTypeName = None
     """Dtype gradients are reduced in; null reduces them in the training dtype."""
+    seq_parallel_communication_data_type: DTypeName = "fp32"
+    """Under sequence parallelism (S > 1), the dtype gradients are reduced in, in place of
+    ``communication_data_type`` (DeepSpeed's rule); null falls back to that."""
     comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
     """What the comms logger records and prints."""
     optimizer: OptimizerConfig | None = None
@@ -137,6 +140,11 @@ class ZerolapConfig(DeepSpeedKeys):
     def communication_dtype(self) -> torch.dtype | None:
         """The dtype gradients are reduced in; None means the training dtype."""
         return torch_dtype(self.communication_data_type)
+
+    def reduction_dtype(self, sequence_parallel: bool) -> torch.dtype | None:
+        """``communication_dtype``, or under sequence parallelism its own key's when set."""
+        own = torch_dtype(self.seq_parallel_communication_data_type)
+        return own if sequence_parallel and own is not None else self.communication_dtype
 
     @classmethod
     def _rewrite_legacy(cls, data: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,7 @@
 ``MoE(hidden_size, expert, num_experts, ep_size=..., k=...)`` holds ``num_experts / ep_size``
 copies of ``expert`` on each rank and a gate (``zerolap.moe.gating``) over all ``num_experts``;
 each token goes to its k chosen experts' buffers (one einsum with the dispatch mask), the
-buffers travel to the ranks holding their experts (``zerolap.moe.exchange``: one all-to-all
+buffers travel to the ranks holding their experts (``zerolap.comm.differentiable``: one all-to-all
 over the expert-parallel group), the experts run on every rank's tokens at once, the outputs
 travel back (the reverse all-to-all) and come back weighted by the gate (another einsum).
 ``forward`` returns ``(output, l_aux, exp_counts)``: the caller adds ``l_aux`` (times a
@@ -31,7 +31,7 @@ import copy
 import torch
 
 import zerolap.comm as dist
-from zerolap.moe.exchange import all_to_all
+from zerolap.comm.differentiable import all_to_all
 from zerolap.moe.gating import TopKGate, no_tutel, top1gating, top2gating, topkgating
 from zerolap.zero import GatheredParameters
 

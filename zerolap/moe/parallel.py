@@ -48,7 +48,8 @@ def set_up_expert_parallelism(module: torch.nn.Module, mesh, *, stage: int) -> i
     giving each MoE layer its group (``mesh.expert_groups``: every rank calls this alike).
     What zerolap does not run is refused by name: experts of several sizes above 1 in one
     model, a spread layer whose experts are not marked with its size (they would be reduced
-    as one), and expert parallelism with ZeRO stage 3, tensor or pipeline parallelism."""
+    as one), and expert parallelism with ZeRO stage 3, tensor, pipeline or sequence
+    parallelism."""
     layers = _spread_layers(module)
     names = {id(p): n for n, p in module.named_parameters()}
     for layer in layers:
@@ -78,10 +79,10 @@ def set_up_expert_parallelism(module: torch.nn.Module, mesh, *, stage: int) -> i
             "ranks holding the same experts; use stage 0, 1 or 2 (DeepSpeed refuses MoE at "
             "stage 3), or ep_size=1"
         )
-    if mesh.dims.tensor > 1 or mesh.dims.pipe > 1:
+    if mesh.dims.tensor > 1 or mesh.dims.pipe > 1 or mesh.dims.sequence > 1:
         raise NotImplementedError(
-            f"MoE ep_size={size} with tensor or pipeline parallelism: zerolap spreads experts "
-            "over data-parallel ranks only"
+            f"MoE ep_size={size} with tensor, pipeline or sequence parallelism: zerolap "
+            "spreads experts over data-parallel ranks only"
         )
     group = mesh.expert_groups(size).expert_group
     for layer in layers:

@@ -141,11 +141,12 @@ class ZerolapEngine(torch.nn.Module):
         take_over(module)
         self.module = module
         # Which ranks form which groups (zerolap.topology): ZeRO works over the data-parallel
-        # group; tensor parallelism's pieces agree over the tensor group. DeepSpeed's clients
-        # read it as ``engine.mpu``.
+        # group (with sequence parallelism, every rank holding a piece of its sequences too);
+        # tensor parallelism's pieces agree over the tensor group. DeepSpeed's clients read it
+        # as ``engine.mpu``.
         self.mesh = mesh if mesh is not None else build_mesh(1)
         self.mpu = self.mesh
-        group = self.mesh.data_group
+        group = self.mesh.zero_group
         self._inputs_checked = self.mesh.tensor_group is None
         self._config = config
         # What clients read as ``engine.config``: the ds_config as given (DeepSpeed's engine
@@ -481,9 +482,15 @@ class ZerolapEngine(torch.nn.Module):
 
     def _build_reducer(self) -> None:
         param_dtype = self.param_store.dtype
-        comm_dtype = self._config.communication_dtype or param_dtype
+        sequence_parallel = self.mesh.dims.sequence > 1
+        comm_dtype = self._config.reduction_dtype(sequence_parallel) or param_dtype
         device = self.param_store.device
         rank = dist.get_rank(self.group)
+        # Averaged over every rank ZeRO works over. With sequence parallelism the S ranks of a
+        # sequence each hold S times their share of its gradient (the Trainer's loss is
+        # all-gathered, whose backward sums over them), so this gives the gradient of the
+        # loss itself, at every stage; DeepSpeed's stages 0-2 divide by D only and apply S
+        # times it (its stage 3 gives the gradient, as here).
         pre, post = scale_factors(
             self.world_size,
             predivide=self._config.gradient_predivide_factor,
@@ -951,12 +958,37 @@ class ZerolapEngine(torch.nn.Module):
 
     @property
     def data_parallel_group(self):
-        """The process group gradients are averaged over."""
+        """The ranks seeing distinct batches, whose gradients are averaged (with sequence
+        parallelism ZeRO works over ``seq_data_parallel_group``: these and their peers)."""
         return self.mesh.get_data_parallel_group()
 
     @property
     def dp_world_size(self) -> int:
         return self.mesh.dims.data
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """S: ranks sharing each sequence (``zerolap.sequence_parallel``); 1 without."""
+        return self.mesh.dims.sequence
+
+    @property
+    def seq_data_parallel_group(self):
+        """The ranks ZeRO works over: the data-parallel ones and their sequence peers."""
+        return self.mesh.get_sequence_data_parallel_group()
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """D x S."""
+        return self.mesh.get_sequence_data_parallel_world_size()
+
+    @property
+    def seq_parallel_group(self):
+        """The ranks sharing this rank's sequences; None without sequence parallelism."""
+        return self.mesh.sequence_group
+
+    def get_sequence_parallel_group(self):
+        """``seq_parallel_group`` (DeepSpeed's accessor)."""
+        return self.mesh.sequence_group
 
     @property
     def mp_world_size(self) -> int:
@@ -971,7 +1003,8 @@ class ZerolapEngine(torch.nn.Module):
     get_model_parallel_rank = get_tensor_parallel_rank
 
     def communication_data_type(self) -> torch.dtype:
-        return self._config.communication_dtype or _DTYPES[self._config.precision]
+        own = self._config.reduction_dtype(self.mesh.dims.sequence > 1)
+        return own or _DTYPES[self._config.precision]
 
     def steps_per_print(self) -> int | None:
         return self._config.print_interval

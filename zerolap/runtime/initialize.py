@@ -14,7 +14,7 @@ from zerolap.runtime.engine import ZerolapEngine
 from zerolap.runtime.lr_schedules import build_scheduler
 from zerolap.runtime.optimizers import build_optimizer
 from zerolap.tensor_parallel.plan import parallelize, plan_from_config
-from zerolap.topology import Mesh, build_mesh, mesh_from_mpu
+from zerolap.topology import Mesh, build_mesh, mesh_from_mpu, use_mesh
 from zerolap.utils import RepeatingLoader
 from zerolap.utils.logging import logger
 
@@ -189,6 +189,12 @@ def _mesh(tp, mpu, model) -> tuple[Mesh, dict[int, torch.nn.Parameter]]:
         mesh = build_mesh(tp.size)
     else:
         mesh = mesh_from_mpu(mpu)
+        if tp.size > 1 and mesh.dims.sequence > 1:
+            raise ConfigError(
+                f"tensor_parallel.autotp_size={tp.autotp_size} with sequence parallelism (the "
+                f"mpu's sequence-parallel size is {mesh.dims.sequence}): zerolap's sequence "
+                "parallelism runs with data parallelism only"
+            )
         if tp.size > 1 and tp.size != mesh.dims.tensor:
             raise ConfigError(
                 f"tensor_parallel.autotp_size={tp.autotp_size} but the mpu's model-parallel size "
@@ -320,10 +326,14 @@ def initialize(
         make_scheduler=_scheduler_factory(lr_scheduler, cfg),
         mesh=mesh,
     )
+    use_mesh(mesh)
     pipeline = isinstance(engine, PipelineEngine)
     # A pipeline reads the data in order and returns a loader that starts over when it ends,
     # as DeepSpeed's pipeline engine does (its other engines shuffle).
-    loader = _dataloader(training_data, cfg, collate_fn, mesh.data_group, shuffle=not pipeline)
+    # Under sequence parallelism every rank draws batches of its own, which
+    # UlyssesSPDataLoaderAdapter gathers and cuts (its peers' batches are its micro-batches).
+    sampled = mesh.data_group if mesh.dims.sequence == 1 else mesh.zero_group
+    loader = _dataloader(training_data, cfg, collate_fn, sampled, shuffle=not pipeline)
     if loader is not None and pipeline:
         loader = RepeatingLoader(loader)
         engine.set_dataiterator(iter(loader))  # train_batch() without data_iter

@@ -1,10 +1,11 @@
-"""How expert parallelism talks: the all-to-all that sends each expert's buffer of tokens to
-the rank holding that expert, and brings the outputs back.
+"""Collectives that carry gradients, for model code that moves activations between ranks:
+expert parallelism's token buffers (``zerolap.moe``) and sequence parallelism's heads and
+sequence pieces (``zerolap.sequence_parallel``).
 
-Rows of the input (dim 0) are cut evenly among the expert-parallel group's ranks, block j to
-group rank j; the output holds the blocks each rank sent this one, in group-rank order. The
-gradient of an all-to-all is the same all-to-all of the output's gradient (each block goes back
-where it came from).
+``all_to_all``: rows of the input (dim 0) are cut evenly among the group's ranks, block j to
+group rank j; the output holds the blocks each rank sent this one, in group-rank order. Its
+gradient is the same all-to-all of the output's gradient (each block goes back where it came
+from).
 """
 
 from __future__ import annotations
