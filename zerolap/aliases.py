@@ -48,6 +48,7 @@ MODULES: dict[str, str] = {
     "ops": "zerolap.ops",
     "ops.adagrad": "zerolap.ops.adagrad",
     "ops.adam": "zerolap.ops.adam",
+    "ops.lion": "zerolap.ops.lion",
     "pipe": "zerolap.pipe",
     "runtime": "zerolap.runtime",
     "runtime.dataloader": "zerolap.utils.data",

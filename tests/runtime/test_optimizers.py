@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from zerolap.ops.lion import FusedLion
 from zerolap.runtime.optimizers import build_optimizer
 
 
@@ -67,6 +68,7 @@ def test_adam_defaults_weight_decay_zero_and_fused():
         ("SGD", torch.optim.SGD),
         ("RMSprop", torch.optim.RMSprop),
         ("adagrad", torch.optim.Adagrad),
+        ("Lion", FusedLion),
     ],
 )
 def test_names_are_case_insensitive(name, cls):
@@ -79,7 +81,7 @@ def test_torch_optimizer_gets_its_params():
 
 
 def test_unknown_type():
-    with pytest.raises(ValueError, match=r"optimizer.type 'Lamb' is not a known.*AdamW.*SGD"):
+    with pytest.raises(ValueError, match=r"optimizer.type 'Lamb' is not a known.*AdamW.*Lion.*SGD"):
         build_optimizer("Lamb", {}, [flat_param()])
     with pytest.raises(ValueError, match=r"optimizer.type 'LBFGS' is not supported: .*closure"):
         build_optimizer("LBFGS", {}, [flat_param()])

@@ -2,10 +2,10 @@
 
 ``type`` is matched without case against DeepSpeed's optimizer names, then against the
 ``torch.optim`` classes. DeepSpeed's ``Adam``, ``AdamW`` and ``Adagrad`` are built from
-``torch.optim`` with DeepSpeed's semantics (see note [deepspeed adam]); its other optimizers
-(Lamb, the 1-bit family, Lion, Muon, the muP ones) need kernels or communication zerolap does not
-have and are errors. ``params`` are checked against the arguments of the class that will be built,
-so a misspelt argument fails before training.
+``torch.optim`` with DeepSpeed's semantics (see note [deepspeed adam]), its ``Lion`` from
+``zerolap.ops.lion``; its other optimizers (Lamb, the 1-bit family, Muon, the muP ones) need
+kernels or communication zerolap does not have and are errors. ``params`` are checked against
+the arguments of the class that will be built, so a misspelt argument fails before training.
 
 Note [deepspeed adam]: DeepSpeed's ``Adam`` is its FusedAdam with ``adam_w_mode`` true unless the
 params say otherwise, so ``"type": "Adam"`` trains with decoupled weight decay (torch's AdamW);
@@ -25,10 +25,11 @@ from pydantic import Field, field_validator
 from zerolap.config.errors import AUTO_HINT, Problem, show
 from zerolap.config.section import ConfigSection, DeepSpeedOnly, nearest_key
 from zerolap.config.torch_names import init_arguments, torch_classes
+from zerolap.ops.lion import FusedLion
 
 __all__ = ["OptimizerConfig"]
 
-_DEEPSPEED_BUILT = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad"}
+_DEEPSPEED_BUILT = {"adam": "Adam", "adamw": "AdamW", "adagrad": "Adagrad", "lion": "Lion"}
 _DEEPSPEED_NOT_BUILT = {
     name.lower(): name
     for name in (
@@ -39,7 +40,6 @@ _DEEPSPEED_NOT_BUILT = {
         "MuAdam",
         "MuAdamW",
         "MuSGD",
-        "Lion",
         "Muon",
     )
 }
@@ -52,8 +52,8 @@ class OptimizerConfig(ConfigSection):
     auto_means_default = False  # DeepSpeed passes these values on unchanged
 
     type: str
-    """A DeepSpeed optimizer name (``Adam``, ``AdamW``, ``Adagrad``) or a ``torch.optim`` class
-    name (``SGD``, ...), in any case; stored in its canonical spelling."""
+    """A DeepSpeed optimizer name (``Adam``, ``AdamW``, ``Adagrad``, ``Lion``) or a
+    ``torch.optim`` class name (``SGD``, ...), in any case; stored in its canonical spelling."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the optimizer (``lr``, ``betas``, ``weight_decay``, ...)."""
     legacy_fusion: Annotated[bool, DeepSpeedOnly()] = False
@@ -83,9 +83,11 @@ class OptimizerConfig(ConfigSection):
         return self.type in ("Adam", "AdamW")
 
     def torch_optimizer(self) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-        """The ``torch.optim`` class to build and its keyword arguments (without ``params``),
-        with DeepSpeed's semantics applied (note [deepspeed adam])."""
+        """The optimizer class to build and its keyword arguments (without ``params``), with
+        DeepSpeed's semantics applied (note [deepspeed adam])."""
         kwargs = dict(self.params)
+        if self.type == "Lion":
+            return FusedLion, kwargs
         if not self.is_adam:
             return getattr(torch.optim, self.type), kwargs
         decoupled = self.type == "AdamW" or kwargs.get("adam_w_mode", True)
@@ -103,7 +105,7 @@ class OptimizerConfig(ConfigSection):
         problems = [
             Problem((f"params.{key}",), message)
             for key, value in self.params.items()
-            if (message := _param_problem(key, value, arguments, optimizer_class.__name__))
+            if (message := _param_problem(key, value, arguments, _qualified(optimizer_class)))
         ]
         if self.is_adam and self.params.get("bias_correction", True) is not True:
             message = (
@@ -111,6 +113,13 @@ class OptimizerConfig(ConfigSection):
             )
             problems.append(Problem(("params.bias_correction",), message))
         return problems
+
+
+def _qualified(cls: type) -> str:
+    """How an error names an optimizer class (``torch.optim.SGD``, ``deepspeed.ops.lion...``)."""
+    if cls is FusedLion:
+        return "deepspeed.ops.lion.FusedLion"
+    return f"torch.optim.{cls.__name__}"
 
 
 # Arguments whose values torch checks with a bare comparison or index: checked here first, so
@@ -139,4 +148,4 @@ def _param_problem(key: str, value: Any, arguments: list[str] | None, class_name
         return ""
     suggestion = nearest_key(key, arguments)
     hint = f"did you mean {suggestion}?" if suggestion else f"it takes {', '.join(arguments)}"
-    return f"not an argument of torch.optim.{class_name}; {hint}"
+    return f"not an argument of {class_name}; {hint}"

@@ -1,4 +1,5 @@
-"""The basic optimizer named by ds_config's ``optimizer`` section, built from ``torch.optim``.
+"""The basic optimizer named by ds_config's ``optimizer`` section, built from ``torch.optim``
+(DeepSpeed's ``Lion`` from ``zerolap.ops.lion``).
 
 The engine hands the optimizer its flat fp32 shard(s), so only optimizers that work on dense 1-D
 tensors with a plain ``step()`` are offered. Names match case-insensitively.
@@ -27,6 +28,8 @@ from typing import Any
 
 import torch
 from torch.optim import Optimizer
+
+from zerolap.ops.lion import FusedLion
 
 __all__ = ["build_optimizer"]
 
@@ -62,12 +65,16 @@ def build_optimizer(
         )
     if key in ("adam", "adamw"):
         cls = _adam_class(key, kwargs)
+    elif key == "lion":
+        cls = FusedLion
     elif key in _UNSUPPORTED:
         raise ValueError(f"optimizer.type {type_name!r} is not supported: {_UNSUPPORTED[key]}")
     elif key in _TORCH_OPTIMIZERS:
         cls = _TORCH_OPTIMIZERS[key]
     else:
-        allowed = ", ".join(sorted(known.__name__ for known in _TORCH_OPTIMIZERS.values()))
+        allowed = ", ".join(
+            sorted(["Lion", *(known.__name__ for known in _TORCH_OPTIMIZERS.values())])
+        )
         raise ValueError(
             f"optimizer.type {type_name!r} is not a known optimizer; allowed (any case): {allowed}"
         )
