@@ -60,19 +60,25 @@ class UlyssesSPDataLoaderAdapter:
     def refill(self) -> None:
         """Gather the next batch of every rank of the group and queue this rank's pieces of
         each. At the end of the wrapped loader: start it over and stop this epoch. The ranks
-        first agree on what they drew (one small gather), so a batch one rank cannot use is
-        the same named error on every rank, not a hang or a mismatched collective."""
+        first agree on what they drew (one small gather, which carries the entries that are
+        not tensors as well), so a batch one rank cannot use is the same named error on every
+        rank, not a hang or a mismatched collective."""
         try:
             batch = next(self.iter)
         except StopIteration:
             self.iter = iter(self.dl)
             raise
         size, group = self.sp_world_size, self.sp_group
-        drawn = gather_objects((_problem(batch, size), _layout(batch)), group, size)
-        for rank, (problem, _) in enumerate(drawn):
+        others = (
+            {k: v for k, v in batch.items() if not torch.is_tensor(v)}
+            if isinstance(batch, dict)
+            else {}
+        )
+        drawn = gather_objects((_problem(batch, size), _layout(batch), others), group, size)
+        for rank, (problem, _, _) in enumerate(drawn):
             if problem is not None:
                 raise ValueError(f"sequence parallelism: rank {rank} of the group: {problem}")
-        layouts = [layout for _, layout in drawn]
+        layouts = [layout for _, layout, _ in drawn]
         for rank, layout in enumerate(layouts):
             if _without_length(layout) != _without_length(layouts[0]):
                 raise ValueError(
@@ -81,14 +87,12 @@ class UlyssesSPDataLoaderAdapter:
                     "batch must have the same entries and batch size"
                 )
         lengths = [layout["input_ids"][1] for layout in layouts]
-        gathered: list[dict] = [{} for _ in range(size)]
+        gathered: list[dict] = [dict(theirs) for _, _, theirs in drawn]
         for key, value in batch.items():
             if torch.is_tensor(value):
                 pieces = gather_rows(value.to(self.device), group, size, lengths)
-            else:
-                pieces = gather_objects(value, group, size)
-            for whose, piece in zip(gathered, pieces, strict=True):
-                whose[key] = piece
+                for whose, piece in zip(gathered, pieces, strict=True):
+                    whose[key] = piece
         for whole in gathered:
             self.micro_batches.append(self._piece(whole))
 

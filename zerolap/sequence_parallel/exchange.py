@@ -44,9 +44,10 @@ def to_sequence(x: torch.Tensor, group, size: int) -> torch.Tensor:
 def gather_rows(x: torch.Tensor, group, size: int, lengths: list[int] | None = None) -> list:
     """Every group rank's ``x`` (no gradient), in rank order. ``lengths``: their sizes along
     dim 1 when they may differ (each is sent padded to the longest, then cut)."""
-    longest = max(lengths) if lengths is not None else x.shape[1]
-    padded = x.new_zeros((x.shape[0], longest, *x.shape[2:]))
-    padded[:, : x.shape[1]] = x
+    padded = x.contiguous()
+    if lengths is not None and max(lengths) != x.shape[1]:
+        padded = x.new_zeros((x.shape[0], max(lengths), *x.shape[2:]))
+        padded[:, : x.shape[1]] = x
     pieces = [torch.empty_like(padded) for _ in range(size)]
     dist.all_gather(pieces, padded, group=group)
     if lengths is None:
