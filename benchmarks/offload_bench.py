@@ -3,26 +3,29 @@ everything in memory: step time, resident memory, the disk's own bandwidth, how 
 the step exposes, and the optimizer's throughput.
 
 Run from the repo root: ``python benchmarks/offload_bench.py [--quick] [--models 42m 170m]
-[--steps 4] [--rounds 3] [--sub-group-size N [N ...]] [--swap-dir DIR]``.
+[--steps 5] [--rounds 3] [--sub-group-size N [N ...]] [--swap-dir DIR]``.
 
 * Disk: the bandwidth of the swap directory's filesystem, measured first in the same run by
   writing and reading a 512 MiB file through ``zerolap.offload.swap_file`` (direct I/O where
   the filesystem takes it, as the swap files use).
 * Training rows: a GPT (``zerolap/demo/gpt.py``) on 2 ranks (gloo, one thread each), ZeRO-2,
   fp32 AdamW (fused), micro-batch 1, with offload ``none`` or ``nvme`` (``sub_group_size`` from
-  ``--sub-group-size``, 2M by default, ``buffer_count`` 4: 64 MiB of buffers per rank); and
-  ZeRO-3 without offload (``z3``) and with both offloads on nvme (``z3-nvme``, every sharded
-  unit's parameters swapped: ``max_in_cpu`` 0). Each system runs in fresh processes,
-  alternating in rounds; step time is the slowest rank's, median over the measured steps of
-  all rounds. Resident memory is the ranks' anonymous RSS after the last step (the sum over
-  ranks) and the model state ``engine.memory_breakdown()`` counts as resident.
+  ``--sub-group-size``, 2M by default, ``buffer_count`` 4: 64 MiB of buffers per rank; ``nvme``
+  steps the swapped sub-groups behind ``step()``, ``nvme-in-step`` is the same with
+  ``defer_step: false``); and ZeRO-3 without offload (``z3``) and with both offloads on nvme
+  (``z3-nvme``, every sharded unit's parameters swapped: ``max_in_cpu`` 0). Each system runs in
+  fresh processes, alternating in rounds; step time is the slowest rank's, median over the timed
+  steps of all rounds (the first step after warm-up starts with nothing stepping behind it and
+  is not timed). Rank 0's median forward, backward and ``step()`` are printed apart: a step
+  behind ``step()`` moves time from ``step()`` into the forward. Resident memory is the ranks'
+  anonymous RSS after the last step (the sum over ranks) and the model state
+  ``engine.memory_breakdown()`` counts as resident.
 * Exposed I/O = step(offloaded) - step(same stage, no offload), against the I/O a step does:
   the bytes read and written by both ranks' swap files per step (counted by the files) over
-  the disk's measured
-  bandwidth. Target: exposed <= 25% of the I/O time, where forward + backward take longer than
-  the I/O (the reads start when the last backward does; the writes finish under the next
-  forward). Only the ``buffer_count`` sub-groups read ahead and the ones still being written
-  can hide outside the optimizer phase, so what hides grows with the buffers: several
+  the disk's measured bandwidth. Target: exposed <= 25% of the I/O time, where forward +
+  backward take longer than the I/O (the reads start when the last backward does; at stages 1-2
+  the step and its writes run under the next forward). Only the ``buffer_count`` sub-groups read
+  ahead hide under the backward, so what hides grows with the buffers: several
   ``--sub-group-size`` values run every offloaded system once per size (``nvme@10M``), and the
   ``buffers`` column is the memory that costs (both ranks).
 * Optimizer throughput: elements per second of one step at one thread over a 16.8M-element
@@ -54,15 +57,21 @@ MODELS = {  # name -> GPTConfig keywords (42m is the preset; 170m is 4.1x its pa
 SYSTEMS = {  # name -> (stage, offload_optimizer, offload_param)
     "none": (2, False, False),
     "nvme": (2, True, False),
+    "nvme-in-step": (2, True, False),  # defer_step false: the whole step inside step()
     "z3": (3, False, False),
     "z3-nvme": (3, True, True),
 }
-BASELINE = {"nvme": "none", "z3-nvme": "z3"}  # what each offloaded row is compared with
+BASELINE = {
+    "nvme": "none",
+    "nvme-in-step": "none",
+    "z3-nvme": "z3",
+}  # what each offloaded row is compared with
 
 
 @dataclass
 class RankResult:
     step_s: list[float]
+    phases_s: list[tuple[float, float, float]]  # per timed step: forward, backward, step()
     anon_rss: int
     resident_bytes: int
     swapped_bytes: int
@@ -117,6 +126,8 @@ def _train(
         zero["stage3_param_persistence_threshold"] = 100_000
     if opt:
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": swap_dir, "buffer_count": 4}
+        if system == "nvme-in-step":
+            zero["offload_optimizer"]["defer_step"] = False
     if param:
         zero["offload_param"] = {"device": "nvme", "nvme_path": swap_dir, "max_in_cpu": 0}
     config = {
@@ -129,26 +140,36 @@ def _train(
     torch.manual_seed(0)
     engine, *_ = zerolap.initialize(model=GPT(cfg), config=config)
     files = _swap_files(engine)
-    times, loss = [], 0.0
+    times, phases, loss = [], [], 0.0
     io_start = (0, 0.0)
     for step in range(warmup + steps):
         if step == warmup:
+            # I/O is counted from here: the last warm-up step's swapped sub-groups, which step
+            # behind it (defer_step), are done first. So this step starts with nothing behind
+            # it, unlike the others, and only the steps after it are timed.
+            engine.optimizer.finish_step()
             io_start = _io(files)
         inputs, targets = synthetic_batch(cfg, 1, seed=step * 2 + rank)
         dist.barrier()
         began = time.perf_counter()
         loss_t = engine(inputs, targets)
+        forward = time.perf_counter()
         engine.backward(loss_t)
+        backward = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - began)
+        phases.append((forward - began, backward - forward, began + times[-1] - backward))
         loss = loss_t.item()
-    # The write-back of the last step finishes under the next forward: wait for it here.
+    # The last step's swapped sub-groups (defer_step) and its write-back finish under the
+    # next forward: wait for them here.
+    engine.optimizer.finish_step()
     for tier in engine.optimizer.tiers[1:]:
         tier.state.drain()
     io_bytes, io_s = _io(files)
     memory = engine.memory_breakdown()
     result = RankResult(
-        step_s=times[warmup:],
+        step_s=times[warmup + 1 :],
+        phases_s=phases[warmup + 1 :],
         anon_rss=_anon_rss(),
         resident_bytes=memory.total_bytes,
         swapped_bytes=memory.swapped_bytes,
@@ -260,7 +281,7 @@ def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=None, choices=sorted(MODELS))
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
@@ -329,6 +350,11 @@ def _summary(rounds: list[list[RankResult]]) -> dict:
     last = rounds[-1]
     return {
         "step_s": statistics.median(steps),
+        # Rank 0's median forward, backward and step() (where a step behind step() shows).
+        "phases_s": [
+            statistics.median(step[k] for ranks in rounds for step in ranks[0].phases_s)
+            for k in range(3)
+        ],
         "anon_rss": statistics.median(sum(r.anon_rss for r in ranks) for ranks in rounds),
         "resident": sum(r.resident_bytes for r in last),
         "swapped": sum(r.swapped_bytes for r in last),
@@ -363,8 +389,13 @@ def _print_model(model: str, runs: dict, systems: dict, io_bw: float) -> None:
         )
     print(
         "  (anon RSS, state and buffers: both ranks together; I/O time = bytes / the disk's"
-        " bandwidth; exposed = step - step of the same stage without offload)\n"
+        " bandwidth; exposed = step - step of the same stage without offload)"
     )
+    print("  rank 0's median forward / backward / step() (a step behind step() shows in forward):")
+    for name, row in rows.items():
+        forward, backward, step = (t * 1e3 for t in row["phases_s"])
+        print(f"  {name:12} {forward:6.0f} / {backward:6.0f} / {step:6.0f} ms")
+    print()
 
 
 def _print_optimizer(swap: str) -> None:

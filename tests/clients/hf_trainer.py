@@ -17,7 +17,13 @@ VOCAB = 128
 
 
 def ds_config(
-    stage: int, *, optimizer: bool, tp: int = 1, tp_overlap: str = "off", offload: bool = False
+    stage: int,
+    *,
+    optimizer: bool,
+    tp: int = 1,
+    tp_overlap: str = "off",
+    offload: bool = False,
+    nvme: str | None = None,
 ) -> dict:
     config = {
         "bf16": {"enabled": "auto"},
@@ -41,6 +47,10 @@ def ds_config(
     if offload:  # the Trainer documentation's ZeRO-3 offload blocks
         for key in ("offload_optimizer", "offload_param"):
             config["zero_optimization"][key] = {"device": "cpu", "pin_memory": True}
+    if nvme:  # the optimizer state on disk, its step behind step() (defer_step)
+        config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
+        config["zero_optimization"]["sub_group_size"] = 2000  # several sub-groups per bucket
+        config["zero_optimization"]["reduce_bucket_size"] = 20000  # several buckets
     if tp > 1:  # the Trainer calls deepspeed.tp_model_init, then initialize
         config["tensor_parallel"] = {"autotp_size": tp, "overlap": tp_overlap}
     if optimizer:  # else the Trainer hands its own torch optimizer to initialize()
@@ -109,6 +119,7 @@ def main() -> None:
         action="store_true",
         help="offload to host memory as from an accelerator (the CPU stands in for one)",
     )
+    parser.add_argument("--nvme", help="offload_optimizer to swap files in this folder")
     parser.add_argument("--sp", type=int, default=1, help="sequence parallelism (Ulysses)")
     parser.add_argument("--gas", type=int, default=2, help="gradient_accumulation_steps")
     parser.add_argument("--out", required=True)
@@ -138,6 +149,7 @@ def main() -> None:
             tp=args.tp,
             tp_overlap=args.tp_overlap,
             offload=args.offload_apart,
+            nvme=args.nvme,
         )
         if args.stage >= 0
         else None,
@@ -191,6 +203,9 @@ def main() -> None:
     }
     if args.offload_apart:  # zerolap's engine (real DeepSpeed has no memory_breakdown)
         result["host_bytes"] = trainer.model_wrapped.memory_breakdown().host_bytes
+    if args.nvme:
+        result["swapped_bytes"] = trainer.model_wrapped.memory_breakdown().swapped_bytes
+        result["defer_step"] = trainer.model_wrapped.optimizer.defer_step
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.result, "w") as f:
             json.dump(result, f)

@@ -28,6 +28,7 @@ TOLERANCE = 1e-5
 def runs(tmp_path_factory):
     """``runs(name)``: the result of one named launch, run once and remembered."""
     root = tmp_path_factory.mktemp("trainer")
+    (root / "swap").mkdir()  # offload_optimizer's nvme_path
     gpt2 = root / "gpt2"
     torch.manual_seed(0)
     from tests.clients.hf_trainer import tiny_config
@@ -52,6 +53,7 @@ def runs(tmp_path_factory):
         "gpt2 stage 2": [*gpt2_model, "--stage", "2", "--ds-optimizer"],
         "gpt2 stage 3": [*gpt2_model, "--stage", "3"],
         "gpt2 stage 3 offload": [*gpt2_model, "--stage", "3", "--offload-apart"],
+        "gpt2 stage 2 nvme": [*gpt2_model, "--stage", "2", "--nvme", str(root / "swap")],
         "gpt2 stage 3 resumed": [
             *gpt2_model, "--stage", "3", "--resume", checkpoint["gpt2 stage 3"]
         ],
@@ -134,6 +136,16 @@ def test_stage_3_with_the_documented_offload_blocks_trains_as_plain_ddp(runs):
     assert offloaded["host_bytes"] > 0  # the state really moved
     _close(offloaded["losses"], plain["losses"], range(1, 5))
     _close(offloaded["evals"], plain["evals"], (2, 4))
+
+
+def test_stage_2_with_the_optimizer_state_on_disk_trains_as_plain_ddp(runs):
+    """``offload_optimizer`` on nvme with the Trainer's own optimizer and schedule: the swapped
+    sub-groups step behind ``step()`` while the Trainer steps its scheduler, logs, evaluates
+    and saves checkpoints."""
+    swapped, plain = runs("gpt2 stage 2 nvme"), runs("gpt2 plain")
+    assert swapped["swapped_bytes"] > 0 and swapped["defer_step"]
+    _close(swapped["losses"], plain["losses"], range(1, 5))
+    _close(swapped["evals"], plain["evals"], (2, 4))
 
 
 def test_stage_3_resume_continues_the_run(runs):

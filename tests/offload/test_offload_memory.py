@@ -95,6 +95,9 @@ def measure(directory: str | None, trim: bool) -> dict:
         if directory is not None:
             cached.append(cached_bytes(str(engine.optimizer.tiers[-1].state.file.path)))
     owned = sum(r.end - r.start for r in engine.optimizer.runs)
+    # What the next forward sees: reading the parameters waits for the last step's swapped
+    # sub-groups, which step in the gathers after step() (offload_optimizer.defer_step).
+    torch.stack([p.detach().sum() for p in engine.module.parameters()])
     grown = _anonymous_rss(trim) - before
     dist.barrier()
     return {"grown": grown, "owned": owned, "cached": cached}

@@ -66,16 +66,18 @@ def _params(engine) -> list[torch.Tensor]:
         return [p.detach().float().cpu().clone() for p in params]
 
 
-def _run(config) -> tuple[list[torch.Tensor], dict, object, int]:
-    """Parameters, optimizer state, memory breakdown, and how many swapped parameter chunks
-    were read on the swap's I/O thread for a gather."""
+def _run(config) -> tuple[list[torch.Tensor], dict, object, int, bool]:
+    """Parameters, optimizer state, memory breakdown, how many swapped parameter chunks were
+    read on the swap's I/O thread for a gather, and whether the swapped sub-groups stepped
+    behind ``step()`` (offload_optimizer.defer_step)."""
     engine, optimizer, *_ = zerolap.initialize(model=make_model(), config=config)
     _train(engine, range(STEPS))
     out = _params(engine), optimizer.state_dict()["inner"]["state"], engine.memory_breakdown()
     swap = getattr(engine.param_store, "swap", None)
     hits = swap.staged_reads if swap is not None else 0
+    defers = optimizer.defer_step
     engine.destroy()
-    return (*out, hits)
+    return (*out, hits, defers)
 
 
 def _mine(directory: str) -> list[str]:
@@ -110,6 +112,7 @@ VARIANTS = [
     # (stage, dtype, offload_optimizer extras, offload_param at stage 3)
     (1, None, {}, False),
     (2, None, {}, False),
+    (2, None, {"defer_step": False}, False),
     (3, None, {}, True),
     (3, None, {}, False),
     (2, None, {"ratio": 0.5, "pipeline_read": False, "pipeline_write": False}, False),
@@ -123,13 +126,17 @@ VARIANTS = [
 def check_parity(directory: str) -> list[str]:
     failures = []
     for stage, dtype, extra, with_param in VARIANTS:
-        want, want_state, plain, _ = _run(_config(stage, dtype=dtype))
+        want, want_state, plain, *_ = _run(_config(stage, dtype=dtype))
         opt = {"device": "nvme", "nvme_path": directory, "buffer_count": 2, **extra}
         param = None
         if with_param:  # 2 buffers for 4 swapped chunks: every use reads one back from disk
             param = {"device": "nvme", "nvme_path": directory, "max_in_cpu": 0, "buffer_count": 2}
-        got, got_state, memory, hits = _run(_config(stage, dtype=dtype, opt=opt, param=param))
+        got, got_state, memory, hits, defers = _run(
+            _config(stage, dtype=dtype, opt=opt, param=param)
+        )
         name = f"stage {stage} {dtype or 'fp32'} {extra} param={with_param}"
+        if defers != (stage < 3 and extra.get("defer_step", True)):
+            failures.append(f"{name}: defer_step in force is {defers}")
         failures += differences(name, (got, got_state), (want, want_state))
         if _mine(directory):
             failures.append(f"{name}: swap files left: {_mine(directory)}")
@@ -198,6 +205,28 @@ def group_counted_steps(directory: str) -> list[str]:
 def test_an_optimizer_counting_in_its_param_group_steps_once_per_step(ranks, tmp_path):
     failures = ranks(2).run(group_counted_steps, str(tmp_path), timeout=120)
     assert failures == [[], []], failures
+
+
+def stateless_steps(directory: str) -> list[str]:
+    """SGD without momentum keeps no per-element state: its swap file holds nothing (and used
+    to fail to allocate its zero bytes)."""
+    results = []
+    for offload in (None, {"device": "nvme", "nvme_path": directory}):
+        config = _config(2, opt=offload)
+        del config["optimizer"]
+        engine, *_ = zerolap.initialize(
+            model=make_model(),
+            optimizer=lambda params: torch.optim.SGD(params, lr=0.1),
+            config=config,
+        )
+        _train(engine, range(STEPS))
+        results.append((_params(engine), {}))
+        engine.destroy()
+    return differences("SGD without state", results[1], results[0])
+
+
+def test_an_optimizer_without_state_steps_with_nvme(ranks, tmp_path):
+    assert ranks(2).run(stateless_steps, str(tmp_path)) == [[], []]
 
 
 # -- checkpoints --------------------------------------------------------------------------------
@@ -270,11 +299,15 @@ def test_checkpoint_without_offload_resumes_with_it(ranks, tmp_path):
 # -- faults ---------------------------------------------------------------------------------------
 
 
-def damage_then_step(directory: str, how: str, only_rank: int | None = None) -> str:
-    """``only_rank``: the file of that rank alone is damaged."""
-    config = _config(2, opt={"device": "nvme", "nvme_path": directory, "buffer_count": 1})
-    engine, *_ = zerolap.initialize(model=make_model(), config=config)
+def damage_then_step(directory: str, how: str, defer: bool, only_rank: int | None = None) -> str:
+    """``only_rank``: the file of that rank alone is damaged. ``defer``: the swapped sub-groups
+    step behind ``step()`` (offload_optimizer.defer_step), so the failure is agreed and raised
+    one call later, by the next backward; without it, by the step that meets the damage."""
+    opt = {"device": "nvme", "nvme_path": directory, "buffer_count": 1, "defer_step": defer}
+    engine, *_ = zerolap.initialize(model=make_model(), config=_config(2, opt=opt))
+    assert engine.optimizer.defer_step == defer
     _train(engine, range(1))
+    engine.optimizer.finish_step()  # the swapped sub-groups stepped behind step()
     swapped = engine.optimizer.tiers[-1].state
     swapped.drain()  # the last write-back is done
     path = swapped.file.path
@@ -287,30 +320,37 @@ def damage_then_step(directory: str, how: str, only_rank: int | None = None) -> 
             f.seek(4096 + 10)
             f.write(b"\xff\xff\xff\xff")
     messages = []
-    for step in (1, 2):  # the second attempt is refused too: the state is not trusted again
+    first = 2 if defer else 1  # the step whose call raises first
+    for step in range(1, 4):  # later attempts are refused too: the state is not trusted again
+        if step < first:
+            _train(engine, range(step, step + 1))
+            continue
         with pytest.raises(SwapError) as caught:
             _train(engine, range(step, step + 1))
         messages.append(str(caught.value))
     engine.destroy()
     assert not path.exists()
-    return "\n".join([*messages, str(path)])
+    return "\n".join([*messages[:2], str(path)])
 
 
+@pytest.mark.parametrize("defer", [True, False], ids=["defer_step", "in_step"])
 @pytest.mark.parametrize(
     ("how", "message"), [("cut", "cut short"), ("changed", "checksum mismatch")]
 )
-def test_a_damaged_swap_file_is_a_named_error(ranks, tmp_path, how, message):
-    answers = ranks(2).run(damage_then_step, str(tmp_path), how)
+def test_a_damaged_swap_file_is_a_named_error(ranks, tmp_path, how, message, defer):
+    answers = ranks(2).run(damage_then_step, str(tmp_path), how, defer)
     for text in answers:
         first, second, path = text.split("\n")
         assert message in first and path in first
         assert path in second
 
 
-def test_a_swap_file_damaged_on_one_rank_stops_every_rank(ranks, tmp_path):
+@pytest.mark.parametrize("defer", [True, False], ids=["defer_step", "in_step"])
+def test_a_swap_file_damaged_on_one_rank_stops_every_rank(ranks, tmp_path, defer):
     """Rank 0's file cut short: rank 0 raises its own error, rank 1 (which stepped) raises one
-    naming rank 0, before either publishes; both refuse the next step, and nothing hangs."""
-    damaged, other = ranks(2).run(damage_then_step, str(tmp_path), "cut", 0, timeout=60)
+    naming rank 0 (in step, before either publishes; behind it, once every gather has run);
+    both refuse the next step, and nothing hangs."""
+    damaged, other = ranks(2).run(damage_then_step, str(tmp_path), "cut", defer, 0, timeout=60)
     first, second, path = damaged.split("\n")
     assert "cut short" in first and path in first and path in second
     first, second, _ = other.split("\n")

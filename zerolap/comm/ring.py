@@ -254,8 +254,11 @@ def ring_all_gather(tensor: torch.Tensor, group=None, async_op: bool = False, pr
     )
 
 
-def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool = False):
-    """All-reduce ``tensor`` in place as reduce-scatter then all-gather. Returns ``tensor``."""
+def ring_all_reduce(
+    tensor: torch.Tensor, op="sum", group=None, async_op: bool = False, prepare=None
+):
+    """All-reduce ``tensor`` in place as reduce-scatter then all-gather. Returns ``tensor``.
+    ``prepare`` as for ``ring_all_gather``: it may fill ``tensor``."""
     op = parse_reduce_op(op)
     check_avg_dtype(op, tensor, "tensor")
 
@@ -264,4 +267,4 @@ def ring_all_reduce(tensor: torch.Tensor, op="sum", group=None, async_op: bool =
         ring.all_gather()
         return tensor
 
-    return _run("ring_all_reduce", tensor, group, async_op, both, reduce_op=op)
+    return _run("ring_all_reduce", tensor, group, async_op, both, reduce_op=op, prepare=prepare)

@@ -83,6 +83,16 @@ class OffloadOptimizerConfig(_Offload):
     pipeline_write: bool = True
     """With ``device: nvme``: write sub-groups back in the background, the last ones finishing
     under the next forward. False waits for each write. (DeepSpeed's default is false.)"""
+    defer_step: bool = True
+    """With ``device: nvme`` at stages 1-2 (zerolap's own key): ``step()`` returns once the
+    sub-groups kept in memory have stepped; each swapped one steps just before the all-gather
+    of the first bucket the next forward needs from it, on the thread that runs the gathers, so
+    that its reads and writes run under the next forward (``zero.step_behind``). The results are
+    the same; every reader of the parameters or the optimizer state waits for it. It needs
+    ``overlap_param_gather``, gloo's ring gathers on a CPU-only host, no tensor, pipeline or
+    expert parallelism, and torch's or zerolap's optimizers; elsewhere (said at start), in a
+    step whose optimizer has step hooks, and with false, the whole step runs inside ``step()``,
+    as in DeepSpeed."""
     fast_init: bool = False
     """DeepSpeed fills the swap files at start with a dummy step unless set; zerolap always
     starts the fast way (space allocated at start, each sub-group's state written by its first

@@ -10,9 +10,10 @@ whatever thread calls them: the GIL is released for the I/O).
   (buffers and regions are 4 KiB aligned for it). Elsewhere I/O is buffered, and each region's
   pages are written out and dropped once the write or read completes, so the cache holds at most
   the regions in flight.
-* **Nothing is taken on trust.** Every region written keeps its CRC-32 in memory; a read checks
-  the length read and the checksum, so a file cut short or changed underneath is a ``SwapError``
-  naming the file and the region.
+* **Nothing is taken on trust.** Every region written keeps its checksum in memory (64-bit
+  XXH3: about 35 GB/s on one core where zlib's CRC-32 does 3.7, and the checksums run beside
+  training's compute); a read checks the length read and the checksum, so a file cut short or
+  changed underneath is a ``SwapError`` naming the file and the region.
 
 Swap files are scratch: they are removed by ``close()`` (the engine's ``destroy()``, or at
 exit); checkpoints hold the state they carried.
@@ -30,12 +31,12 @@ import shutil
 import threading
 import time
 import weakref
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import torch
+import xxhash
 
 __all__ = [
     "ALIGN",
@@ -129,7 +130,7 @@ class SwapFile:
     def __init__(self, path: Path, nbytes: int) -> None:
         self.path = Path(path)
         self.nbytes = aligned(nbytes)
-        self._crc: dict[int, int] = {}  # region offset -> CRC-32 of the bytes written there
+        self._sums: dict[int, int] = {}  # region offset -> checksum of the bytes written there
         # Transfer totals since construction, from every thread (benchmarks read them).
         self.read_bytes = self.write_bytes = 0
         self.read_s = self.write_s = 0.0
@@ -143,7 +144,8 @@ class SwapFile:
             self.direct = False
             self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.posix_fallocate(self._fd, 0, self.nbytes)
+            if self.nbytes:  # an optimizer with no per-element state (SGD) swaps nothing
+                os.posix_fallocate(self._fd, 0, self.nbytes)
         except OSError as err:
             free = shutil.disk_usage(self.path.parent).free
             self.close()
@@ -161,7 +163,7 @@ class SwapFile:
         offset + nbytes)``; ``offset`` is a multiple of ``ALIGN``."""
         length = aligned(nbytes) if self.direct else nbytes
         view = _memory(buffer, length)
-        crc = zlib.crc32(memoryview(view)[:nbytes])
+        checksum = xxhash.xxh3_64_intdigest(memoryview(view)[:nbytes])
         began = time.perf_counter()
         self._transfer(os.pwritev, view, offset, "write")
         if not self.direct:
@@ -169,12 +171,12 @@ class SwapFile:
         with self._count:
             self.write_bytes += length
             self.write_s += time.perf_counter() - began
-        self._crc[offset] = crc
+        self._sums[offset] = checksum
 
     def read(self, offset: int, buffer: torch.Tensor, nbytes: int) -> None:
         """``[offset, offset + nbytes)``, as last written, into ``buffer``; a region never
         written, cut short, or whose checksum no longer matches is a ``SwapError``."""
-        if offset not in self._crc:
+        if offset not in self._sums:
             raise SwapError(f"swap file {self.path}: region at byte {offset} was never written")
         length = aligned(nbytes) if self.direct else nbytes
         view = _memory(buffer, length)
@@ -185,14 +187,14 @@ class SwapFile:
         with self._count:
             self.read_bytes += length
             self.read_s += time.perf_counter() - began
-        if zlib.crc32(memoryview(view)[:nbytes]) != self._crc[offset]:
+        if xxhash.xxh3_64_intdigest(memoryview(view)[:nbytes]) != self._sums[offset]:
             raise SwapError(
                 f"swap file {self.path}: the {nbytes} bytes at {offset} are not what was "
                 "written there (checksum mismatch): the file was changed underneath"
             )
 
     def written(self, offset: int) -> bool:
-        return offset in self._crc
+        return offset in self._sums
 
     def _transfer(self, call, view, offset: int, what: str) -> None:
         done, total = 0, len(view)

@@ -112,6 +112,13 @@ class SwappedRuns:
         self.state.prefetch()
 
     def step(self, step_runs: Callable[[list[int]], None]) -> None:
+        for _ in self.stepping(step_runs):
+            pass
+
+    def stepping(self, step_runs: Callable[[list[int]], None]) -> Iterator[SubGroup]:
+        """The step, one sub-group at a time in ``sub_groups`` order: each is yielded once it
+        has stepped (its write-back started), so that a caller can stop between sub-groups
+        (``zero.step_behind`` steps only those the next gather needs)."""
         self.state.begin_pass()
         for position, sub_group in enumerate(self.sub_groups):
             opened = self.state.open(position)
@@ -127,6 +134,7 @@ class SwappedRuns:
             finally:
                 self._detach(opened)
             self.state.close(position, stateful=self._stateful(sub_group))
+            yield sub_group
         give_back_free_heap()  # the step's temporaries, freed by now
 
     def _run_state(self, opened: OpenSubGroup, k: int, i: int) -> dict:

@@ -58,6 +58,7 @@ from zerolap.zero.reductions import AllReduceBuckets, ReduceScatterBuckets, scal
 from zerolap.zero.sharded_params import ShardedParams
 from zerolap.zero.stages import plan_stage
 from zerolap.zero.status import is_sharded
+from zerolap.zero.step_behind import can_defer
 from zerolap.zero.units import plan_units
 
 __all__ = ["DeepSpeedEngine", "ZerolapEngine"]
@@ -570,7 +571,41 @@ class ZerolapEngine(torch.nn.Module):
             model_group=model_group,
             counted=counted,
             low_precision_master=self._config.bf16.bf16_master_weights_and_grads,
+            defer_step=self._defers_step(inner, model_group),
         )
+
+    def _defers_step(self, inner: torch.optim.Optimizer, model_group) -> bool:
+        """``offload_optimizer.defer_step``: whether the swapped sub-groups step in the
+        gathers after ``step()`` (``zero.step_behind``). The same answer on every rank: it
+        follows from the config, the model's groups and the optimizer's class (a step that
+        runs inside ``step()`` after all, for its hooks, issues the same collectives)."""
+        opt = self._config.zero_optimization.offload_optimizer
+        if self.offload.optimizer is None or not opt.defer_step:
+            return False
+        store = self.param_store
+        why = None
+        if not isinstance(store, FlatParams) or not store.defer:
+            why = (
+                "it needs stage 1 or 2 on more than one rank, overlap_param_gather, and "
+                "parameters of the plain nn.Parameter class"
+            )
+        elif store.native or self.offload.host is not None:
+            why = "it needs the gathers on gloo's ring, on a CPU-only host"
+        elif model_group is not None or any(g is not self.group for g in store.groups):
+            why = "it needs every bucket gathered over the data-parallel group alone"
+        elif not can_defer(inner):
+            why = (
+                f"it steps torch's and zerolap's optimizers only (not {type(inner).__name__}, "
+                "which may write its param groups' entries)"
+            )
+        if why is None:
+            return True
+        if self.global_rank == 0 and "defer_step" in opt.model_fields_set:  # asked for
+            logger.info(
+                "zero_optimization.offload_optimizer.defer_step: the swapped sub-groups step "
+                f"inside step() here: {why}"
+            )
+        return False
 
     def _tied_copies(self) -> frozenset[int]:
         """Ids of parameters that are copies of a weight another pipeline stage holds too
@@ -673,7 +708,9 @@ class ZerolapEngine(torch.nn.Module):
         """What precedes every backward's autograd: a new accumulation cycle if one is due,
         and the reducer told whether this micro-batch reduces."""
         if self.optimizer is not None:
-            self.optimizer.refuse_if_failed()  # before anything here changes
+            # A step still running behind the last one (offload_optimizer.defer_step) reads
+            # the gradients this backward is about to reset: done and agreed first.
+            self.optimizer.finish_step()
         self._backward_kind = kind
         if self._cycle_fresh:
             self.reducer.begin_cycle()
@@ -868,7 +905,14 @@ class ZerolapEngine(torch.nn.Module):
         parameters whole again, and the engine's buffers, gradients and optimizer state
         dropped. A collective under stage 3 (parameters are gathered): call on every rank.
         An engine dropped without it takes its hooks off but leaves stage-3 parameters
-        sharded (``runtime.release``)."""
+        sharded (``runtime.release``). A failed optimizer step still running behind the last
+        ``step()`` (``offload_optimizer.defer_step``) is raised once all that is done."""
+        failure = None
+        if self.optimizer is not None:
+            try:
+                failure = self.optimizer.wait_behind()
+            except Exception as error:  # everything is still released first
+                failure = error
         self._release_on_drop.detach()
         self._attachments.release(gather=True)
         self.reducer = self.grads = self.optimizer = self.lr_scheduler = None
@@ -876,6 +920,8 @@ class ZerolapEngine(torch.nn.Module):
         self.params = []
         self._phase_recorders.clear()
         self.destroyed = True
+        if failure is not None:
+            raise failure
 
     def compile(self, backend: str = "inductor", compile_kwargs: dict | None = None) -> None:
         """``torch.compile`` the wrapped module's forward in place (DeepSpeed's signature;
@@ -1126,10 +1172,13 @@ class ZerolapEngine(torch.nn.Module):
     def wait_in_flight(self) -> None:
         """Wait for the parameter all-gathers the engine leaves running past ``step()``:
         stages 1-2's (every bucket's, otherwise waited by the next forward) and stage 3's
-        prefetch of the next step's first units (kept gathered for it). Afterwards none of the
-        engine's communication is running: for a program that counts bytes or times a phase
-        on its own. Reading a parameter's values waits by itself; this is never needed for
-        correctness."""
+        prefetch of the next step's first units (kept gathered for it), and the optimizer's
+        swapped sub-groups stepping in them (``offload_optimizer.defer_step``; the write-back
+        of the last ones may still run). Afterwards none of the engine's communication is
+        running: for a program that counts bytes or times a phase on its own. Reading a
+        parameter's values waits by itself; this is never needed for correctness."""
+        if self.optimizer is not None:
+            self.optimizer.finish_step()
         if self.param_store is not None:
             self.param_store.settle()
 

@@ -11,7 +11,9 @@ writes the values calls it first.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 
@@ -62,6 +64,10 @@ class FlatParams:
         self.defer = sharded and defer and all(type(p) is torch.nn.Parameter for p in params)
         self._bucket_params = [[params[slot] for slot in b.slots] for b in layout.buckets]
         self._in_flight: dict[int, object] = {}  # bucket index -> its all-gather's handle
+        # Called when the last gather in flight has been waited: with the optimizer's swapped
+        # sub-groups stepping in the gathers (``zero.step_behind``), whoever waits for them all
+        # (the forward's last bucket, a state dict) learns whether every rank's step ran.
+        self.after_settled: Callable[[], None] | None = None
         # A thread reading parameters (a snapshot for logging or an async checkpoint) may wait
         # for a bucket while the training thread's forward waits for the same one.
         self._waiting = threading.RLock()
@@ -87,9 +93,12 @@ class FlatParams:
         """The parameter elements of ``run`` (``shard_pos`` is unused: the buffer is flat)."""
         return self.flat[run.start : run.end]
 
-    def publish(self) -> None:
+    def publish(self, prepare: Callable[[int], None] | None = None) -> None:
         """Every bucket all-gathered from its chunks' owners, all in flight at once and in the
-        order forward needs them (the reverse of bucket order); waited here unless deferred."""
+        order forward needs them (the reverse of bucket order); waited here unless deferred.
+        ``prepare(b)`` runs just before bucket ``b``'s gather, on the thread that runs it (the
+        ring's on gloo): there it steps the swapped sub-groups the bucket needs
+        (``zero.step_behind``)."""
         if not self.sharded:
             return
         self.settle()
@@ -104,7 +113,12 @@ class FlatParams:
             for b in reversed(self.layout.buckets):
                 region = self.flat[b.start : b.end]
                 self._in_flight[b.index] = all_gather_bucket(
-                    region, b, rank=self.rank, group=self.groups[b.index], native=self.native
+                    region,
+                    b,
+                    rank=self.rank,
+                    group=self.groups[b.index],
+                    native=self.native,
+                    prepare=partial(prepare, b.index) if prepare is not None else None,
                 )
         except BaseException as error:
             # The buckets never launched hold stale chunks: waiting for them raises this error,
@@ -142,6 +156,8 @@ class FlatParams:
             caller = torch.cuda.current_stream(self.flat.device)
             if caller != self._stream:
                 caller.wait_stream(self._stream)
+        if waited and not self._in_flight and self.after_settled is not None:
+            self.after_settled()
         return waited
 
     def settle(self) -> None:

@@ -30,10 +30,15 @@ Phases of ``step()``:
 6. sharded: the parameter store brings the updated chunks to every rank that needs them
    (stages 1-2: every bucket all-gathered, by default left in flight for the next forward to
    wait on bucket by bucket, ``zero.in_flight``; stage 3: only the units kept whole).
+
+With ``offload_optimizer.defer_step`` (stages 1-2, swapped sub-groups) phase 4 steps the
+resident runs only, and each swapped sub-group steps in phase 6, just before the gather of the
+first bucket that needs it, on the thread that runs the gathers (``zero.step_behind``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator
 
@@ -42,7 +47,8 @@ import torch
 import zerolap.comm as dist
 from zerolap.offload.swap_file import SwapError, set_up_on_every_rank
 from zerolap.zero.layout import FlatLayout
-from zerolap.zero.sub_groups import GroupEntries, split_runs
+from zerolap.zero.step_behind import Stepping, steps_apart, twin_of
+from zerolap.zero.sub_groups import GroupEntries, SubGroup, split_runs
 
 __all__ = ["STEP_PIECE_NUMEL", "ZeroOptimizer"]
 
@@ -159,6 +165,7 @@ class ZeroOptimizer:
         model_group=None,
         counted: list[bool] | None = None,
         low_precision_master: bool = False,
+        defer_step: bool = False,
     ) -> None:
         # Param groups with no parameters are dropped, as DeepSpeed drops them: the Hugging
         # Face Trainer builds an empty "no decay" group for a LoRA model, and a scheduler made
@@ -213,6 +220,16 @@ class ZeroOptimizer:
         # whole: from the config, the same on every rank (a rank may own no swapped sub-group).
         self._swap_agreed = swap is not None
         self._swap_failed: Exception | None = None  # agreed: every rank refuses from then on
+        # offload_optimizer.defer_step (``zero.step_behind``): the swapped sub-groups step as
+        # the gathers after ``step()`` need them, so they are laid out in the order the next
+        # forward needs their buckets (the engine asks only where the gathers can carry it).
+        self.defer_step = defer_step and self._swap_agreed
+        if self.defer_step:
+            swapped = sorted(swapped, key=self._highest_bucket, reverse=True)
+        self._highest = [self._highest_bucket(sg) for sg in swapped] if self.defer_step else []
+        self._swapped = None  # the swapped tier, where this rank swaps any sub-group
+        self._stepping: Stepping | None = None  # stepped by the coming publish()
+        self._agreement = None  # (flag, handle, stepping) after it: whether every rank's step ran
         moved = swapped if swap is not None or host is None else host.choose(self.sub_groups)
         if host is not None and moved:
             _check_steps_on_host(inner)
@@ -271,6 +288,9 @@ class ZeroOptimizer:
             )
             if tier is not None:
                 self.tiers.append(tier)
+                self._swapped = tier
+        if self.defer_step:  # the last gather's wait reports a failed step behind it
+            param_store.after_settled = self.finish_step
         self.reload_master()
         device = param_store.device
         # Stand-ins for a rank whose chunks hold only padding (tiny model, many ranks).
@@ -282,6 +302,9 @@ class ZeroOptimizer:
         # Stage 3: the engine's ParamFetcher, under DeepSpeed's name for the object that
         # gathers and releases parameters (clients such as TRL reach it from the optimizer).
         self.parameter_offload = None
+
+    def _highest_bucket(self, sub_group: SubGroup) -> int:
+        return max(self.runs[i].bucket for i in sub_group.runs)
 
     def _make_master(self, resident: list[int], numel: int | None) -> torch.Tensor | None:
         """The fp32 master values of the resident runs that step apart from the parameters,
@@ -328,6 +351,7 @@ class ZeroOptimizer:
         swapped sub-groups read in for the while: the tensors are valid until the next item.
         With ``write``, what the caller changed in the values and the state (in place, or
         entries of the dict replaced) is kept."""
+        self.finish_step()  # a step still running behind, done (and agreed)
         self.store.settle()  # the values of the last step's gathers, all arrived
         for tier in self.tiers:
             yield from tier.visit(write, only)
@@ -361,6 +385,7 @@ class ZeroOptimizer:
 
     @property
     def state(self):
+        self.finish_step()  # a step behind step() adds and removes entries meanwhile
         return self.inner.state
 
     def _device_grad(self, i: int) -> torch.Tensor:
@@ -393,8 +418,9 @@ class ZeroOptimizer:
         return applied
 
     def update(self) -> bool:
-        """Phases 1-5 (compute only): the owned elements take their step."""
-        self.refuse_if_failed()
+        """Phases 1-5 (compute only): the owned elements take their step (with ``defer_step``
+        the resident ones; the swapped ones step in ``publish()``'s gathers)."""
+        self.finish_step()
         self.grads.settle()  # places no reduction reached are zero; copies down have arrived
         self.store.settle()  # no chunk may change while the last step's gathers send it
         grads = self._owned_grads()
@@ -425,15 +451,38 @@ class ZeroOptimizer:
             for on_device in _by_device(grads).values():
                 torch._foreach_div_([grads[i] for i in on_device], divisor)
         failure = None
+        # The twin of the client optimizer the swapped sub-groups step with, taken before any
+        # call: its entries are this step's, whatever a scheduler sets before they step. An
+        # optimizer with step hooks, or a step of its own on the instance, steps here instead
+        # (a hook may read the model, whose parameters are in flight behind step()); the
+        # collectives are the same either way (``publish``), so ranks may differ in this.
+        behind = self.defer_step and not steps_apart(self.inner)
+        twin = twin_of(self.inner) if behind else None
         entries = GroupEntries(self.inner)
         try:
             for tier in self.tiers:
-                tier.step(lambda indices: self._step_runs(indices, grads, entries))
+                if tier is not self._swapped or twin is None:
+                    tier.step(lambda indices: self._step_runs(indices, grads, entries))
         except Exception as error:
             if not self._swap_agreed:
                 raise
             failure = error
-        if self._swap_agreed:
+        if self.defer_step:
+            steps = None
+            if twin is not None and self._swapped is not None:
+                # Only the swapped runs' gradients travel behind step() (under mixed precision
+                # each is an fp32 copy), each dropped once its sub-group has stepped.
+                pending = {i: grads[i] for sg in self._swapped.sub_groups for i in sg.runs}
+                twin_entries = GroupEntries(twin)
+
+                def step_behind(indices: list[int]) -> None:
+                    self._step_runs(indices, pending, twin_entries, twin)
+                    for i in indices:
+                        del pending[i]
+
+                steps = self._swapped.stepping(step_behind)
+            self._stepping = Stepping(steps, self._highest, failure, in_step=twin is None)
+        elif self._swap_agreed:
             self._agree_swap_step(failure)
         self.loss_scaler.update_scale(False)
         self.last_norm, self.last_applied = norm, True
@@ -456,8 +505,12 @@ class ZeroOptimizer:
             torch.tensor([rank + 1.0 if failure is not None else 0.0], device=self._zero.device),
             "max",
         )
-        if not failed:
-            return
+        if failed:
+            raise self._record_swap_failure(failed, failure)
+
+    def _record_swap_failure(self, failed: float, failure: Exception | None) -> Exception:
+        """The ranks agreed that rank ``failed - 1`` (the highest that failed) failed its
+        swapped step: this rank's own ``failure`` or the news of it, kept for every later use."""
         error = failure or SwapError(
             f"rank {int(failed) - 1}'s swapped optimizer state failed its step; this rank's "
             "shard stepped and the model is no longer consistent across ranks: resume from "
@@ -467,7 +520,7 @@ class ZeroOptimizer:
         for tier in self.tiers:  # and every other use of a swapped state (a checkpoint)
             if hasattr(tier, "state"):
                 tier.state.broken = tier.state.broken or error
-        raise error
+        return error
 
     def _forget_host_grads(self) -> None:
         """A skipped step: the copies down of its gradients are done with."""
@@ -490,14 +543,15 @@ class ZeroOptimizer:
         """Whether this rank's own gradients are finite (no collective)."""
         return bool(self._finite(self._owned_grads()))
 
-    def _step_runs(self, indices, grads, entries: GroupEntries) -> None:
-        """One call of the inner optimizer on runs ``indices`` (those with a gradient: the
-        others are skipped by every torch optimizer), then their 16-bit parameters. A further
-        call in the same step sees the param groups' entries as the first did."""
+    def _step_runs(self, indices, grads, entries: GroupEntries, optimizer=None) -> None:
+        """One call of the inner optimizer (or its twin, ``optimizer``) on runs ``indices``
+        (those with a gradient: the others are skipped by every torch optimizer), then their
+        16-bit parameters. A further call in the same step sees the param groups' entries as
+        the first did."""
         entries.before_call()
         for i in indices:
             self.views[i].grad = grads[i]
-        self.inner.step()
+        (optimizer or self.inner).step()
         for i in indices:
             self.views[i].grad = None
         for i in indices:
@@ -552,8 +606,51 @@ class ZeroOptimizer:
                 self.param_elements(i).copy_(values)
 
     def publish(self) -> None:
-        """Phase 6 (communication only): every rank receives the updated parameters."""
-        self.store.publish()
+        """Phase 6 (communication only): every rank receives the updated parameters. With
+        ``defer_step`` the swapped sub-groups step first, each as the gather that needs it is
+        about to run, and a last ring op agrees whether every rank's step ran."""
+        stepping, self._stepping = self._stepping, None
+        if stepping is None:
+            self.store.publish()
+            return
+        try:
+            self.store.publish(prepare=stepping.ready)
+        except BaseException:
+            stepping.stop()  # the gathers already queued step nothing more
+            raise
+        flag = torch.zeros(1, dtype=torch.float64, device=self._zero.device)
+        rank = dist.get_rank()
+
+        def fill() -> None:  # after every gather, on the ring's thread
+            flag.fill_(rank + 1.0 if stepping.failure is not None else 0.0)
+
+        handle = dist.ring_all_reduce(flag, op="max", group=self.group, async_op=True, prepare=fill)
+        self._agreement = (flag, handle, stepping)
+        if stepping.in_step:  # stepped inside step(): its failure is raised here, as without
+            self.finish_step()
+
+    def finish_step(self) -> None:
+        """Wait for a step still running behind the last ``publish()`` (``defer_step``) and
+        raise any failure the ranks agreed on: before anything reads or writes the optimizer's
+        state, and before the next backward writes the gradients it steps from."""
+        self.wait_behind()
+        self.refuse_if_failed()
+
+    def wait_behind(self) -> Exception | None:
+        """Wait for a step still running behind the last ``publish()``; the failure the ranks
+        agreed on in it, if any (kept for every later use, not raised here)."""
+        pending, self._agreement = self._agreement, None
+        if pending is None:
+            return None
+        flag, handle, stepping = pending
+        try:
+            handle.wait()
+            failed = flag.item()
+        except BaseException:
+            if stepping.failure is not None:  # this rank's own failure is not lost with it
+                self._record_swap_failure(dist.get_rank() + 1.0, stepping.failure)
+            raise
+        return self._record_swap_failure(failed, stepping.failure) if failed else None
 
     @property
     def cur_scale(self) -> float:
@@ -567,6 +664,7 @@ class ZeroOptimizer:
         run, swapped ones read in), the loss scaler's, and the runs it covers. It loads back
         only into the same layout (same model, world size, stage and ``sub_group_size``);
         ``engine.save_checkpoint`` is the portable form."""
+        self.finish_step()
         packed = self.inner.state_dict()
         number = {id(v): k for k, v in enumerate(v for g in self.param_groups for v in g["params"])}
         state = {}
@@ -589,6 +687,7 @@ class ZeroOptimizer:
                 "size, ZeRO stage or sub_group_size); use engine.save_checkpoint / "
                 "load_checkpoint, which load across them"
             )
+        self.finish_step()
         self.inner.load_state_dict(state_dict["inner"])
         # Swapped runs' state goes to their sub-groups (resident runs' already is in place).
         for i, _, run_state in self.visit_runs(write=True):
@@ -604,6 +703,7 @@ class ZeroOptimizer:
     def state_bytes(self) -> int:
         """Optimizer state held in memory where training runs (swapped sub-groups: their
         buffers; the host's share is ``host_bytes``)."""
+        self.wait_behind()  # a first step behind may be adding state
         return sum(tier.state_bytes() for tier in self.tiers if not tier.on_host)
 
     def host_bytes(self) -> int:
@@ -633,6 +733,9 @@ class ZeroOptimizer:
     def close(self) -> None:
         """Release what the tiers hold outside memory (swap files) and what the gradients
         placed on the host run (the adding thread); the optimizer is done."""
+        self.store.after_settled = None
+        with contextlib.suppress(Exception):  # reported by engine.destroy(), not here
+            self.wait_behind()  # the swap file is still in use
         for tier in self.tiers:
             tier.close()
         self.grads.close()
