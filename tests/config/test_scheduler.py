@@ -19,10 +19,16 @@ def test_deepspeed_schedules_are_accepted_in_any_case(name):
     assert section.type.lower() == name.lower() and section.torch_class is None
 
 
-@pytest.mark.parametrize("name", ["OneCycle", "LRRangeTest"])
-def test_onecycle_and_range_test_are_not_supported_yet(name):
-    message = load_error({"scheduler": {"type": name}})
-    assert f"scheduler.type: got '{name}'; {name} is not supported yet" in message
+def test_onecycle_and_range_test_are_accepted_with_their_arguments():
+    section = scheduler("onecycle", cycle_min_lr=0.1, cycle_max_lr=1.0, cycle_momentum=False)
+    assert section.type == "OneCycle" and section.torch_class is None
+    section = scheduler("LRRANGETEST", lr_range_test_step_size=10)
+    assert section.type == "LRRangeTest"
+    message = load_error({"scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 1.0}}})
+    assert "scheduler.params.cycle_min_lr: OneCycle needs this argument" in message
+    params = {"cycle_min_lr": 0.1, "cycle_max_lr": 1.0, "cycle_first_stepsize": 5}
+    message = load_error({"scheduler": {"type": "OneCycle", "params": params}})
+    assert "did you mean cycle_first_step_size?" in message
 
 
 def test_torch_schedulers_are_accepted_as_deepspeed_does():

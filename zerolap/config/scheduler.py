@@ -1,10 +1,10 @@
 """The ``scheduler`` section: ``{"type": ..., "params": {...}}``, checked at load.
 
 ``type`` is matched without case against DeepSpeed's schedules, then against the
-``torch.optim.lr_scheduler`` classes (DeepSpeed falls back to those too). ``WarmupLR``,
-``WarmupDecayLR`` and ``WarmupCosineLR`` are built by zerolap; ``OneCycle`` and ``LRRangeTest``
-are errors for now, since running without them would change the results. ``params`` are checked
-against the schedule's arguments.
+``torch.optim.lr_scheduler`` classes (DeepSpeed falls back to those too). All five of
+DeepSpeed's (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle``, ``LRRangeTest``)
+are built by zerolap (``runtime.lr_schedules``). ``params`` are checked against the schedule's
+arguments.
 """
 
 from __future__ import annotations
@@ -40,10 +40,35 @@ DEEPSPEED_SCHEDULES: dict[str, tuple[str, ...]] = {
     "WarmupLR": _WARMUP,
     "WarmupDecayLR": ("total_num_steps", *_WARMUP),
     "WarmupCosineLR": _COSINE,
+    "OneCycle": (
+        "cycle_min_lr",
+        "cycle_max_lr",
+        "decay_lr_rate",
+        "cycle_first_step_size",
+        "cycle_second_step_size",
+        "cycle_first_stair_count",
+        "cycle_second_stair_count",
+        "decay_step_size",
+        "cycle_momentum",
+        "cycle_min_mom",
+        "cycle_max_mom",
+        "decay_mom_rate",
+        "last_batch_iteration",
+    ),
+    "LRRangeTest": (
+        "lr_range_test_min_lr",
+        "lr_range_test_step_size",
+        "lr_range_test_step_rate",
+        "lr_range_test_staircase",
+        "last_batch_iteration",
+    ),
 }
 """DeepSpeed's schedules that zerolap builds -> the arguments each takes."""
-_REQUIRED = {"WarmupDecayLR": ("total_num_steps",), "WarmupCosineLR": ("total_num_steps",)}
-_NOT_YET = {"onecycle": "OneCycle", "lrrangetest": "LRRangeTest"}
+_REQUIRED = {
+    "WarmupDecayLR": ("total_num_steps",),
+    "WarmupCosineLR": ("total_num_steps",),
+    "OneCycle": ("cycle_min_lr", "cycle_max_lr"),
+}
 _WARMUP_TYPES = ("log", "linear")
 
 
@@ -57,7 +82,8 @@ class SchedulerConfig(ConfigSection):
     auto_means_default = False  # DeepSpeed passes these values on unchanged
 
     type: str
-    """A DeepSpeed schedule (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``) or a
+    """A DeepSpeed schedule (``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``,
+    ``OneCycle``, ``LRRangeTest``) or a
     ``torch.optim.lr_scheduler`` class name, in any case; stored in its canonical spelling."""
     params: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the schedule (``warmup_num_steps``, ``total_num_steps``, ...)."""
@@ -69,10 +95,6 @@ class SchedulerConfig(ConfigSection):
         deepspeed = {schedule.lower(): schedule for schedule in DEEPSPEED_SCHEDULES}
         if key in deepspeed:
             return deepspeed[key]
-        if key in _NOT_YET:
-            raise ValueError(
-                f"{_NOT_YET[key]} is not supported yet; use one of {', '.join(DEEPSPEED_SCHEDULES)}"
-            )
         torch_schedulers = _torch_schedulers()
         if key in torch_schedulers:
             return torch_schedulers[key].__name__

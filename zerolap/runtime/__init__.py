@@ -2,6 +2,8 @@
 
 from zerolap.runtime.loss_scaler import DynamicLossScaler, LossScaler, build_loss_scaler
 from zerolap.runtime.lr_schedules import (
+    LRRangeTest,
+    OneCycle,
     Scheduler,
     WarmupCosineLR,
     WarmupDecayLR,
@@ -13,8 +15,10 @@ from zerolap.runtime.optimizers import build_optimizer
 
 __all__ = [
     "DynamicLossScaler",
+    "LRRangeTest",
     "LossScaler",
     "NonFiniteGradientError",
+    "OneCycle",
     "Scheduler",
     "WarmupCosineLR",
     "WarmupDecayLR",
