@@ -25,10 +25,14 @@ from zerolap.tensor_parallel.layers import block_sizes
 RTOL = 1e-6
 
 
-def close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     scale = expected.abs().max().clamp(min=1e-12)
-    error = (actual - expected).abs().max() / scale
-    assert error <= RTOL, f"{what}: relative error {error:.3e}"
+    return float((actual - expected).abs().max() / scale)
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol: float = RTOL) -> None:
+    error = relative_error(actual, expected)
+    assert error <= rtol, f"{what}: relative error {error:.3e}"
 
 
 def _slice(t: torch.Tensor, dim: int, parts: int | tuple[int, ...] = 1) -> torch.Tensor:
@@ -149,26 +153,38 @@ def check_embedding_and_loss() -> None:
 
 def check_fused_gpt_attention(overlap: str, batch: int, device: str = "cpu") -> list[torch.Tensor]:
     """A whole demo GPT, dense against auto-parallelized, both on ``device``: equal loss and
-    gradients; the loss and the parallel model's gradients, on the CPU."""
+    gradients; the loss and the parallel model's gradients, on the CPU.
+
+    Equal within RTOL, or within 4x the dense model's own fp32 rounding where that is larger:
+    a gradient summed over the batch with cancellation (a bias's) rounds by more than 1e-6 of
+    its largest element, in the dense model as in a parallel one that sums the batch's halves
+    apart. The rounding is measured against the dense model in float64."""
+    import copy
+
     from zerolap.demo.gpt import GPT, GPTConfig, synthetic_batch
 
     cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=4, d_model=16)
     torch.manual_seed(0)
     dense = GPT(cfg).to(device)
+    exact = copy.deepcopy(dense).double()
     torch.manual_seed(0)
     model = parallelize(GPT(cfg), None, overlap=overlap).to(device)
     tokens, targets = (t.to(device) for t in synthetic_batch(cfg, batch, seed=4))
     dense(tokens, targets).backward()
+    exact(tokens, targets).backward()
+    exact_params = dict(exact.named_parameters())
     loss = model(tokens, targets)
     close(loss, dense(tokens, targets).detach(), "GPT loss")
     loss.backward()
     dense_params = dict(dense.named_parameters())
     for name, param in model.named_parameters():
         expected = dense_params[name].grad
+        truth = exact_params[name].grad.to(expected.dtype)
         split = getattr(param, "tp_split", None)
         if split is not None:
-            expected = split.take(expected)
-        close(param.grad, expected, f"GPT grad {name}")
+            expected, truth = split.take(expected), split.take(truth)
+        rounding = relative_error(expected, truth)  # of this rank's piece, as compared
+        close(param.grad, expected, f"GPT grad {name}", max(RTOL, 4 * rounding))
     return [loss.detach().cpu()] + [p.grad.cpu() for p in model.parameters()]
 
 
