@@ -30,7 +30,8 @@ Run from the repo root: ``python benchmarks/offload_bench.py [--quick] [--models
   ``buffers`` column is the memory that costs (both ranks).
 * Optimizer throughput: elements per second of one step at one thread over a 16.8M-element
   shard: torch's fused AdamW alone, then zerolap's step (world size 1) with the state in memory
-  and streamed from disk.
+  and streamed from disk; and the swap files' checksum (XXH3) against zlib's CRC-32 over
+  one 16 MiB region.
 """
 
 from __future__ import annotations
@@ -326,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                     )
             _print_model(model, runs, rows, io_bw)
         _print_optimizer(swap)
+        _print_checksums()
     return 0
 
 
@@ -409,6 +411,24 @@ def _print_optimizer(swap: str) -> None:
             f"  {system:18} {result['step_s'] * 1e3:7.1f} ms  {rate / 1e6:7.1f} M elements/s"
             f"  {rate / fused:5.2f}x fused"
         )
+
+
+def _print_checksums() -> None:
+    """The swap files' checksum (XXH3) against zlib's CRC-32, one thread, over one 16 MiB region
+    (a sub-group of 2M elements with two fp32 moments, as in the training rows)."""
+    import zlib
+
+    import xxhash
+
+    data = os.urandom(16 * MIB)
+    print("\nchecksum of one 16 MiB swap region, one thread:")
+    for name, checksum in (("XXH3 (swap files)", xxhash.xxh3_64_intdigest), ("CRC-32", zlib.crc32)):
+        times = []
+        for _ in range(5):
+            began = time.perf_counter()
+            checksum(data)
+            times.append(time.perf_counter() - began)
+        print(f"  {name:18} {len(data) / statistics.median(times) / 1e9:7.1f} GB/s")
 
 
 if __name__ == "__main__":

@@ -11,9 +11,9 @@ whatever thread calls them: the GIL is released for the I/O).
   pages are written out and dropped once the write or read completes, so the cache holds at most
   the regions in flight.
 * **Nothing is taken on trust.** Every region written keeps its checksum in memory (64-bit
-  XXH3: about 35 GB/s on one core where zlib's CRC-32 does 3.7, and the checksums run beside
-  training's compute); a read checks the length read and the checksum, so a file cut short or
-  changed underneath is a ``SwapError`` naming the file and the region.
+  XXH3: 7 to 11 times zlib's CRC-32 on one core here, ``benchmarks/offload_bench.py``; the
+  checksums run beside training's compute); a read checks the length read and the checksum, so a
+  file cut short or changed underneath is a ``SwapError`` naming the file and the region.
 
 Swap files are scratch: they are removed by ``close()`` (the engine's ``destroy()``, or at
 exit); checkpoints hold the state they carried.
