@@ -1,6 +1,7 @@
 # Every target sets up .venv from nothing: torch's CPU wheel first (so no dependency can pull a
-# CUDA build), then zerolap with its dev extras and the Hugging Face clients (torch pinned by
-# constraints.txt), then the deepspeed shim (compat/), so that `import deepspeed` is zerolap.
+# CUDA build), then zerolap with its dev extras, the Hugging Face clients and TensorBoard (torch
+# pinned by constraints.txt), then the deepspeed shim (compat/), so that `import deepspeed` is
+# zerolap.
 VENV   ?= .venv
 PYTHON ?= python3
 STAMP  := $(VENV)/.installed
@@ -10,7 +11,7 @@ STAMP  := $(VENV)/.installed
 $(STAMP): pyproject.toml compat/pyproject.toml constraints.txt
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/python -m pip install -q torch==2.13.0
-	$(VENV)/bin/python -m pip install -q -c constraints.txt -e ".[dev,hf]"
+	$(VENV)/bin/python -m pip install -q -c constraints.txt -e ".[dev,hf,tensorboard]"
 	$(VENV)/bin/python -m pip install -q -c constraints.txt ./compat
 	touch $(STAMP)
 

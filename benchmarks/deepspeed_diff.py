@@ -30,7 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "clients" / "hf_trainer.py"
-ENV_PACKAGES = ["deepspeed==0.19.8", "transformers==5.23.0", "accelerate==1.15.0"]
+ENV_PACKAGES = [
+    "deepspeed==0.19.8", "transformers==5.23.0", "accelerate==1.15.0", "tensorboard==2.21.0",
+]  # fmt: skip
 
 
 def make_env(path: Path) -> None:

@@ -8,10 +8,6 @@ from tests.config.helpers import load, load_error
 
 ACCEPTED = {
     "flops_profiler": {"enabled": True},
-    "tensorboard": {"enabled": True, "output_path": "x"},
-    "wandb": {"enabled": True, "project": "p"},
-    "csv_monitor": {"enabled": True},
-    "comet": {"enabled": True},
     "aio": {"block_size": 1048576},
     "autotuning": {"enabled": True},
     "checkpoint": {"tag_validation": "Warn"},
@@ -32,7 +28,7 @@ ACCEPTED = {
 def test_deepspeed_only_keys_are_accepted_stored_and_reported():
     config = load(ACCEPTED)
     assert sorted(config.unsupported_keys()) == sorted(ACCEPTED)
-    assert config.tensorboard == {"enabled": True, "output_path": "x"}
+    assert config.flops_profiler == {"enabled": True}  # stored as given
     assert config.seed == 1234
 
 

@@ -23,6 +23,13 @@ from zerolap.config.batch import resolve_batch_size
 from zerolap.config.comms_logger import CommsLoggerConfig
 from zerolap.config.deepspeed_keys import DeepSpeedKeys
 from zerolap.config.errors import ConfigError, Problem, format_validation_error
+from zerolap.config.monitor import (
+    CometConfig,
+    CSVConfig,
+    DeepSpeedMonitorConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 from zerolap.config.nonfinite import NonFiniteConfig
 from zerolap.config.optimizer import OptimizerConfig
 from zerolap.config.pipeline import PipelineConfig
@@ -106,6 +113,14 @@ class ZerolapConfig(DeepSpeedKeys):
     """How ``zerolap.checkpointing`` (``deepspeed.checkpointing``) keeps checkpoint inputs."""
     timers: TimersConfig = Field(default_factory=TimersConfig)
     """The throughput timer (``engine.tput_timer``)."""
+    tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
+    """Training events as TensorBoard scalars (``zerolap.monitor``)."""
+    csv_monitor: CSVConfig = Field(default_factory=CSVConfig)
+    """Training events as CSV files (``zerolap.monitor``)."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Training events logged to Weights & Biases (``zerolap.monitor``)."""
+    comet: CometConfig = Field(default_factory=CometConfig)
+    """Training events logged to Comet (``zerolap.monitor``)."""
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """Tensor parallelism (DeepSpeed's AutoTP training)."""
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
@@ -120,6 +135,16 @@ class ZerolapConfig(DeepSpeedKeys):
         if value is None or not math.isfinite(value) or value < 1:
             return None
         return int(value)
+
+    @property
+    def monitor_config(self) -> DeepSpeedMonitorConfig:
+        """The four monitor blocks together, as DeepSpeed's config object offers them."""
+        return DeepSpeedMonitorConfig(
+            tensorboard=self.tensorboard,
+            csv_monitor=self.csv_monitor,
+            wandb=self.wandb,
+            comet=self.comet,
+        )
 
     @property
     def fp16_enabled(self) -> bool:

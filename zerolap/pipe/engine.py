@@ -419,6 +419,8 @@ class PipelineEngine(ZerolapEngine):
         self.micro_steps += self.micro_batches - 1
         self.last_stats = stats
         self.agg_train_loss = self._aggregate(batch.losses, broadcast=True)
+        if self._events is not None:
+            self._events.write("train_loss", self.agg_train_loss.item(), self.global_samples)
         return self.agg_train_loss
 
     def pipeline_report(self) -> dict:
@@ -468,9 +470,14 @@ class PipelineEngine(ZerolapEngine):
         if reduce_output is None:
             out = batch.losses if self.is_last_stage() else None
         else:
+            # With a monitor, rank 0 writes the loss, so it gets it (as in DeepSpeed).
             out = self._aggregate(
-                batch.losses, broadcast=bcast_loss and compute_loss, scalar=compute_loss
+                batch.losses,
+                broadcast=(bcast_loss or self.monitor.enabled) and compute_loss,
+                scalar=compute_loss,
             )
+            if self._events is not None and compute_loss:
+                self._events.write("eval_loss", out.item(), self.global_samples)
         if return_logits:
             return out, batch.logits
         return out

@@ -32,11 +32,13 @@ from zerolap.moe.parallel import (
     expert_parallel_size,
     set_up_expert_parallelism,
 )
+from zerolap.monitor import MonitorMaster
 from zerolap.offload import plan_offload
 from zerolap.runtime.buffer_dtypes import fp32_buffers
 from zerolap.runtime.inputs import check_same_inputs
 from zerolap.runtime.loss_scaler import build_loss_scaler
 from zerolap.runtime.memory import MemoryBreakdown, measure_memory
+from zerolap.runtime.monitoring import TrainingEvents
 from zerolap.runtime.nonfinite import NonFiniteGuard
 from zerolap.runtime.norm_share import counted_in_norm
 from zerolap.runtime.release import Attachments, take_over
@@ -162,6 +164,12 @@ class ZerolapEngine(torch.nn.Module):
             config.zero_optimization.stage, reduce_scatter=config.zero_optimization.reduce_scatter
         )
         self._warn_unsupported()
+        # DeepSpeed's engine.monitor; built first, so a missing package fails every rank
+        # before any collective. Rank 0 alone has monitors to write to, and events to write.
+        self.monitor = MonitorMaster(config)
+        self._events = None
+        if self.monitor.monitors:
+            self._events = TrainingEvents(self.monitor, timed=config.wall_clock_breakdown)
         # Expert parallelism: each MoE layer's groups, and the size of its experts' own
         # partition (their buckets are reduced and sharded over the ranks holding the same
         # experts, every ep_size-th data-parallel rank).
@@ -283,6 +291,8 @@ class ZerolapEngine(torch.nn.Module):
             self.add_phase_recorder(
                 WallClockBreakdown(steps_per_print=config.print_interval, rank=self.global_rank)
             )
+        if self._events is not None and self._events.timed:
+            self.add_phase_recorder(self._events)
 
     # -- construction steps -------------------------------------------------------------------
 
@@ -785,6 +795,8 @@ class ZerolapEngine(torch.nn.Module):
         start = time.perf_counter()
         try:
             self.nonfinite.observe_loss(loss)
+            if self._events is not None:
+                self._events.observe_loss(loss)
             scaled = loss.float() * (self.loss_scaler.loss_scale / gas)
             scaled.backward(retain_graph=retain_graph)
         except BaseException:
@@ -850,6 +862,12 @@ class ZerolapEngine(torch.nn.Module):
             self.global_samples += self.train_batch_size()
             self._cycle_fresh = True
             self._report_progress()
+            if self._events is not None:
+                self._events.step(
+                    samples=self.global_samples,
+                    lr=float(self.get_lr()[0]),
+                    loss_scale=self.loss_scaler.loss_scale if self.fp16_enabled() else None,
+                )
             self.micro_in_step = 0
         else:
             self.micro_in_step += 1
@@ -919,6 +937,7 @@ class ZerolapEngine(torch.nn.Module):
         self.fetcher = self.param_store = self._param_access = self._forward_waits = None
         self.params = []
         self._phase_recorders.clear()
+        self.monitor.close()
         self.destroyed = True
         if failure is not None:
             raise failure

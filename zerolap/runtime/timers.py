@@ -14,15 +14,17 @@ from collections import defaultdict
 
 from zerolap.utils.logging import logger
 
-__all__ = ["WallClockBreakdown"]
+__all__ = ["TIMED", "WallClockBreakdown"]
 
-_SHOWN = (
-    ("fwd", ("forward",)),
-    ("bwd", ("backward", "backward_wait")),
-    ("bwd_inner", ("backward",)),
-    ("bwd_allreduce", ("backward_wait",)),
-    ("step", ("optimizer", "allgather_wait")),
+TIMED = (
+    ("fwd", "forward", ("forward",)),
+    ("bwd", "backward", ("backward", "backward_wait")),
+    ("bwd_inner", "backward_inner", ("backward",)),
+    ("bwd_allreduce", "backward_allreduce", ("backward_wait",)),
+    ("step", "step", ("optimizer", "allgather_wait")),
 )
+"""What DeepSpeed's timers time, from the engine's phases: (printed label, DeepSpeed's timer
+name as its monitor events spell it, the phases summed)."""
 
 
 class WallClockBreakdown:
@@ -44,7 +46,9 @@ class WallClockBreakdown:
 
     def means_ms(self) -> dict[str, float]:
         per = self.steps_per_print or 1
-        return {label: sum(self.totals[p] for p in phases) * 1e3 / per for label, phases in _SHOWN}
+        return {
+            label: sum(self.totals[p] for p in phases) * 1e3 / per for label, _, phases in TIMED
+        }
 
     def format(self) -> str:
         parts = " | ".join(f"{k}: {v:.2f}" for k, v in self.means_ms().items())
