@@ -20,7 +20,6 @@ ACCEPTED = {
     "seed": 1234,
     "disable_allgather": True,
     "graph_harvesting": True,
-    "dataloader_drop_last": True,
     "use_data_before_expert_parallelism": True,
 }
 

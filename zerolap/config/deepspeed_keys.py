@@ -90,8 +90,6 @@ class DeepSpeedKeys(ConfigSection):
     """DeepSpeed captures short kernel sequences in CUDA graphs."""
     use_data_before_expert_parallelism: Annotated[bool, DeepSpeedOnly()] = False
     """DeepSpeed's expert/data-parallel group order."""
-    dataloader_drop_last: Annotated[bool, DeepSpeedOnly()] = False
-    """DeepSpeed's data loader drops the last incomplete batch."""
     disable_python_gc: Annotated[bool, DeepSpeedOnly()] = False
     """DeepSpeed turns off Python's cyclic garbage collector."""
     vocabulary_size: Annotated[int | None, DeepSpeedOnly()] = None

@@ -78,6 +78,9 @@ class ZerolapConfig(DeepSpeedKeys):
     this many optimizer steps; never by default, as in DeepSpeed 0.19.8. Any number is
     accepted, as DeepSpeed accepts it: a fraction rounds down, and null, infinity (Accelerate
     writes it), zero or a negative number never log (see ``print_interval``)."""
+    dataloader_drop_last: bool = False
+    """The loader ``initialize(training_data=...)`` and ``engine.deepspeed_io`` build drops a
+    last batch shorter than the micro-batch."""
     wall_clock_breakdown: bool = False
     """Time forward, backward and step, and print the breakdown."""
     prescale_gradients: bool = False

@@ -45,6 +45,7 @@ from zerolap.runtime.release import Attachments, take_over
 from zerolap.runtime.throughput import ThroughputTimer
 from zerolap.runtime.timers import WallClockBreakdown
 from zerolap.topology import Mesh, build_mesh
+from zerolap.utils.data import ROUTE_TRAIN, make_loader
 from zerolap.utils.logging import logger
 from zerolap.zero.external import ensure_registry
 from zerolap.zero.fetcher import ParamFetcher
@@ -963,6 +964,47 @@ class ZerolapEngine(torch.nn.Module):
     def _check_accumulation(self, count: int) -> None:
         """Whether ``count`` micro-batches per step can run (any count can here; a pipeline
         needs at least one per stage)."""
+
+    def deepspeed_io(
+        self,
+        dataset: torch.utils.data.Dataset,
+        batch_size: int | None = None,
+        route: str = ROUTE_TRAIN,
+        pin_memory: bool = True,
+        data_sampler: torch.utils.data.Sampler | None = None,
+        collate_fn=None,
+        num_local_io_workers: int | None = None,
+    ) -> torch.utils.data.DataLoader:
+        """DeepSpeed's loader for this rank: micro-batches of ``batch_size`` (the micro-batch
+        size by default) from its share of ``dataset`` (``utils.data.make_loader``: shuffled
+        for ``route='train'``, in order for ``'eval'`` and ``'predict'``, unless
+        ``data_sampler`` is given), a last short batch dropped with ds_config's
+        ``dataloader_drop_last``. The ranks of a tensor-parallel group get the same batches.
+        Under sequence parallelism every rank draws batches of its own, which
+        ``UlyssesSPDataLoaderAdapter`` gathers and cuts (its peers' batches are its
+        micro-batches). Loads in this process unless ``num_local_io_workers`` says otherwise
+        (DeepSpeed starts 2 workers)."""
+        if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
+            raise TypeError(
+                "deepspeed_io() needs a map-style dataset (with __getitem__ and __len__, which "
+                f"its sampler splits over the ranks), got {type(dataset).__name__}"
+            )
+        sampled = self.mesh.data_group if self.mesh.dims.sequence == 1 else self.mesh.zero_group
+        return make_loader(
+            dataset,
+            batch_size=batch_size or self.train_micro_batch_size_per_gpu(),
+            replicas=dist.get_world_size(sampled),
+            rank=dist.get_rank(sampled),
+            route=route,
+            drop_last=self._config.dataloader_drop_last,
+            data_sampler=data_sampler,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            num_workers=num_local_io_workers or 0,
+        )
+
+    def dataloader_drop_last(self) -> bool:
+        return self._config.dataloader_drop_last
 
     def set_train_batch_size(self, train_batch_size: int) -> None:
         """A new global batch, by another number of micro-batches per step (the micro-batch

@@ -163,23 +163,6 @@ def _scheduler_factory(lr_scheduler, cfg):
     return make
 
 
-def _dataloader(training_data, cfg, collate_fn, group, *, shuffle: bool = True):
-    if training_data is None:
-        return None
-    sampler = torch.utils.data.distributed.DistributedSampler(
-        training_data,
-        num_replicas=dist.get_world_size(group),
-        rank=dist.get_rank(group),
-        shuffle=shuffle,
-    )
-    return torch.utils.data.DataLoader(
-        training_data,
-        batch_size=cfg.train_micro_batch_size_per_gpu,
-        sampler=sampler,
-        collate_fn=collate_fn,
-    )
-
-
 def _mesh(tp, mpu, model) -> tuple[Mesh, dict[int, torch.nn.Parameter]]:
     """The job's mesh, and the model split for tensor parallelism when the ds_config asks;
     with the split parameters that replaced dense ones, by ``id`` of the dense one."""
@@ -327,14 +310,20 @@ def initialize(
         mesh=mesh,
     )
     use_mesh(mesh)
-    pipeline = isinstance(engine, PipelineEngine)
-    # A pipeline reads the data in order and returns a loader that starts over when it ends,
-    # as DeepSpeed's pipeline engine does (its other engines shuffle).
-    # Under sequence parallelism every rank draws batches of its own, which
-    # UlyssesSPDataLoaderAdapter gathers and cuts (its peers' batches are its micro-batches).
-    sampled = mesh.data_group if mesh.dims.sequence == 1 else mesh.zero_group
-    loader = _dataloader(training_data, cfg, collate_fn, sampled, shuffle=not pipeline)
-    if loader is not None and pipeline:
-        loader = RepeatingLoader(loader)
+    loader = None
+    if training_data is not None and isinstance(engine, PipelineEngine):
+        # A pipeline reads the data in order and returns a loader that starts over when it
+        # ends, as DeepSpeed's pipeline engine does (its other engines shuffle).
+        in_order = torch.utils.data.DistributedSampler(
+            training_data,
+            num_replicas=engine.dp_world_size,
+            rank=engine.get_data_parallel_rank(),
+            shuffle=False,
+        )
+        loader = RepeatingLoader(
+            engine.deepspeed_io(training_data, data_sampler=in_order, collate_fn=collate_fn)
+        )
         engine.set_dataiterator(iter(loader))  # train_batch() without data_iter
+    elif training_data is not None:
+        loader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
     return engine, engine.optimizer, loader, engine.lr_scheduler
