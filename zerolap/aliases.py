@@ -53,6 +53,8 @@ MODULES: dict[str, str] = {
     "ops.adam": "zerolap.ops.adam",
     "ops.lion": "zerolap.ops.lion",
     "pipe": "zerolap.pipe",
+    "profiling": "zerolap.profiling",
+    "profiling.flops_profiler": "zerolap.profiling.flops",
     "runtime": "zerolap.runtime",
     "runtime.dataloader": "zerolap.utils.data",
     "runtime.engine": "zerolap.runtime.engine",

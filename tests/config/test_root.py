@@ -83,14 +83,13 @@ REAL_WORLD = {
 def test_real_world_config_loads_and_names_what_zerolap_ignores():
     config = load_config(REAL_WORLD, world_size=8)
     assert config.unsupported_keys() == [
-        "flops_profiler",
         "zero_allow_untested_optimizer",
     ]
     assert config.precision == "fp16" and config.fp16.loss_scale == 0
     zero = config.zero_optimization
     assert zero.stage == 3 and zero.prefetch_bucket_size == 940_000
     assert zero.offload_param.device == "cpu" and zero.offload_optimizer.pin_memory
-    assert config.flops_profiler["module_depth"] == -1  # stored as given
+    assert config.flops_profiler.enabled and config.flops_profiler.module_depth == -1
     assert config.tensorboard.enabled and config.tensorboard.job_name == "run"
     assert config.optimizer.type == "AdamW" and config.scheduler.type == "WarmupLR"
     assert config.comms_logger.enabled

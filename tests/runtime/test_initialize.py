@@ -179,13 +179,13 @@ def check_config_sources_and_warning() -> None:
             config_params=dict(
                 BASE,
                 optimizer={"type": "SGD", "params": {"lr": 0.1}},
-                flops_profiler={"enabled": True},
+                autotuning={"enabled": True},
                 dump_state=True,
             ),
         )
     messages = [w for w in caught if "does not implement" in w]
     if dist.get_rank() == 0:
-        assert len(messages) == 1 and "flops_profiler" in messages[0]
+        assert len(messages) == 1 and "autotuning" in messages[0]
         assert "dump_state" in messages[0]
     else:
         assert messages == []

@@ -6,8 +6,8 @@ warning. Their contents are not checked: zerolap never reads them, so a misspell
 changes nothing. A value that would change the results if ignored (Apex AMP, sparse gradients,
 progressive layer drop, ...) is an error.
 
-The list follows DeepSpeed 0.19's ``runtime/config.py`` and the sections it reads (profilers,
-compression, data efficiency, checkpointing, ...), plus a few newer keys.
+The list follows DeepSpeed 0.19's ``runtime/config.py`` and the sections it reads
+(compression, data efficiency, checkpointing, ...), plus a few newer keys.
 """
 
 from __future__ import annotations
@@ -48,8 +48,6 @@ class DeepSpeedKeys(ConfigSection):
     """The DeepSpeed-only top-level keys (a base of ``ZerolapConfig``)."""
 
     # Profiling and logging.
-    flops_profiler: Annotated[Block, DeepSpeedOnly()] = None
-    """DeepSpeed's FLOPs profiler."""
     memory_breakdown: Annotated[bool, DeepSpeedOnly()] = False
     """DeepSpeed prints memory use at each step."""
     dump_state: Annotated[bool, DeepSpeedOnly()] = False

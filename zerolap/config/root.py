@@ -23,6 +23,7 @@ from zerolap.config.batch import resolve_batch_size
 from zerolap.config.comms_logger import CommsLoggerConfig
 from zerolap.config.deepspeed_keys import DeepSpeedKeys
 from zerolap.config.errors import ConfigError, Problem, format_validation_error
+from zerolap.config.flops_profiler import FlopsProfilerConfig
 from zerolap.config.monitor import (
     CometConfig,
     CSVConfig,
@@ -116,6 +117,8 @@ class ZerolapConfig(DeepSpeedKeys):
     """How ``zerolap.checkpointing`` (``deepspeed.checkpointing``) keeps checkpoint inputs."""
     timers: TimersConfig = Field(default_factory=TimersConfig)
     """The throughput timer (``engine.tput_timer``)."""
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    """Profile the model's parameters, MACs and latencies once (``zerolap.profiling.flops``)."""
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
     """Training events as TensorBoard scalars (``zerolap.monitor``)."""
     csv_monitor: CSVConfig = Field(default_factory=CSVConfig)

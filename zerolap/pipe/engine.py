@@ -66,6 +66,12 @@ def check_pipeline_config(config, model, mpu) -> None:
                     "PipelineModule (deepspeed.pipe.PipelineModule)"
                 )
         return
+    if config.flops_profiler.enabled:
+        raise ConfigError(
+            "flops_profiler.enabled with a PipelineModule: the profiler counts and times the "
+            "engine's forward, and a pipeline runs its stages inside train_batch(); switch it "
+            "off, or profile the model with zerolap.profiling.flops.get_model_profile"
+        )
     problems = []
     if section.stages not in ("auto", model.num_stages):
         problems.append(f"pipeline.stages={section.stages} (the module has {model.num_stages})")

@@ -35,6 +35,7 @@ from zerolap.moe.parallel import (
 from zerolap.monitor import MonitorMaster
 from zerolap.offload import plan_offload
 from zerolap.runtime.buffer_dtypes import fp32_buffers
+from zerolap.runtime.flops_profiling import StepFlopsProfile
 from zerolap.runtime.inputs import check_same_inputs
 from zerolap.runtime.loss_scaler import build_loss_scaler
 from zerolap.runtime.memory import MemoryBreakdown, measure_memory
@@ -294,6 +295,22 @@ class ZerolapEngine(torch.nn.Module):
             )
         if self._events is not None and self._events.timed:
             self.add_phase_recorder(self._events)
+        self._flops = None  # rank 0's flops profile (ds_config's flops_profiler)
+        if config.flops_profiler.enabled and self.global_rank == 0:
+            engine = weakref.ref(self)  # the model's hooks reach the phase recorders
+
+            def sizes() -> dict:
+                this = engine()
+                return {
+                    "samples": this.train_batch_size(),
+                    "world_size": dist.get_world_size(),
+                    "data_parallel_size": this.dp_world_size,
+                    "model_parallel_size": this.mesh.dims.tensor,
+                    "micro_batch_size": this.train_micro_batch_size_per_gpu(),
+                }
+
+            self._flops = StepFlopsProfile(module, config.flops_profiler, sizes)
+            self.add_phase_recorder(self._flops)
 
     # -- construction steps -------------------------------------------------------------------
 
@@ -661,8 +678,12 @@ class ZerolapEngine(torch.nn.Module):
         if self.fetcher is not None:
             self.fetcher.begin_step()
         self._check_inputs_once(inputs, kwargs)
+        if self._flops is not None:
+            self._flops.before_forward(self.global_steps)
         with self._autocast():
             out = self.module(*inputs, **kwargs)
+        if self._flops is not None:
+            self._flops.after_forward()
         if self.optimizer is not None and torch.is_grad_enabled():
             out = _through_entry(self, out)
         self._phase_recorders("forward", start, time.perf_counter())
@@ -939,6 +960,8 @@ class ZerolapEngine(torch.nn.Module):
         self.params = []
         self._phase_recorders.clear()
         self.monitor.close()
+        if self._flops is not None:
+            self._flops.close()
         self.destroyed = True
         if failure is not None:
             raise failure
