@@ -9,7 +9,6 @@ from tests.config.helpers import load, load_error
 ACCEPTED = {
     "aio": {"block_size": 1048576},
     "autotuning": {"enabled": True},
-    "checkpoint": {"tag_validation": "Warn"},
     "hybrid_engine": {"enabled": True},
     "compile": {"deepcompile": True},
     "zero_allow_untested_optimizer": True,
@@ -28,6 +27,14 @@ def test_deepspeed_only_keys_are_accepted_stored_and_reported():
     assert sorted(config.unsupported_keys()) == sorted(ACCEPTED)
     assert config.autotuning == {"enabled": True}  # stored as given
     assert config.seed == 1234
+
+
+def test_checkpoint_section_checks_its_tag_mode_and_names_storage_options():
+    config = load({"checkpoint": {"tag_validation": "fail", "load_universal": True}})
+    assert config.checkpoint.tag_validation == "FAIL"
+    assert config.unsupported_keys() == ["checkpoint.load_universal"]
+    assert "checkpoint.tag_validation" in load_error({"checkpoint": {"tag_validation": "Maybe"}})
+    assert "checkpoint.tag_validaton" in load_error({"checkpoint": {"tag_validaton": "Warn"}})
 
 
 def test_disabled_features_are_not_reported():

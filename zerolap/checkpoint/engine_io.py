@@ -290,12 +290,37 @@ def _optimizer_groups(engine) -> list[dict]:
     return [{k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups]
 
 
+def _agreed_tag(tag: str, validation: str) -> str:
+    """The tag every rank saves under: rank 0's. Given different tags, the ranks would write
+    pieces of one checkpoint into different folders; ds_config's ``checkpoint.tag_validation``
+    makes that an error on every rank ("FAIL"), a warning ("WARN", the default) or neither."""
+    tags: list = [None] * dist.get_world_size()
+    dist.all_gather_object(tags, tag)
+    if len(set(tags)) == 1:
+        return tag
+    given = ", ".join(f"rank {rank} {name!r}" for rank, name in enumerate(tags))
+    if validation == "FAIL":
+        raise CheckpointError(
+            f"save_checkpoint: the ranks were given different tags ({given}), and "
+            "checkpoint.tag_validation is 'Fail'; a tag must not hold anything rank-specific"
+        )
+    if validation == "WARN" and dist.get_rank() == 0:
+        logger.warning(
+            f"save_checkpoint: the ranks were given different tags ({given}); every rank saves "
+            f"under rank 0's, {tags[0]!r} (checkpoint.tag_validation 'Ignore' silences this)"
+        )
+    return tags[0]
+
+
 def save_checkpoint(
     engine, save_dir, tag=None, client_state=None, *, save_latest=True, exclude_frozen=False
 ) -> str:
     dist.check_in("save_checkpoint")  # one rank alone fails fast instead of hanging
     save_dir = Path(save_dir)
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+    tag = _agreed_tag(
+        str(tag) if tag is not None else f"global_step{engine.global_steps}",
+        engine._config.checkpoint.tag_validation,
+    )
     staged = partial_dir(save_dir, tag)
     rank, world = dist.get_rank(), dist.get_world_size()  # every rank saves a file
     # The save's identity, in every file: a file from another save cannot pass for this one's.

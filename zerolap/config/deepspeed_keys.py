@@ -60,8 +60,6 @@ class DeepSpeedKeys(ConfigSection):
     """DeepSpeed's asynchronous I/O for NVMe offload."""
     autotuning: Annotated[Block, DeepSpeedOnly()] = None
     """DeepSpeed's autotuner."""
-    checkpoint: Annotated[Block, DeepSpeedOnly()] = None
-    """DeepSpeed's checkpoint options (tag validation, universal checkpoints, ...)."""
     nebula: Annotated[Block, DeepSpeedOnly()] = None
     """DeepSpeed's Nebula asynchronous checkpointing."""
     datastates: Annotated[Block, DeepSpeedOnly()] = None

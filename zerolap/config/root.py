@@ -20,6 +20,7 @@ from pydantic import AliasChoices, ConfigDict, Field, ValidationError
 
 from zerolap.config.activation_checkpointing import ActivationCheckpointingConfig
 from zerolap.config.batch import resolve_batch_size
+from zerolap.config.checkpoint import CheckpointConfig
 from zerolap.config.comms_logger import CommsLoggerConfig
 from zerolap.config.deepspeed_keys import DeepSpeedKeys
 from zerolap.config.errors import ConfigError, Problem, format_validation_error
@@ -117,6 +118,8 @@ class ZerolapConfig(DeepSpeedKeys):
     """How ``zerolap.checkpointing`` (``deepspeed.checkpointing``) keeps checkpoint inputs."""
     timers: TimersConfig = Field(default_factory=TimersConfig)
     """The throughput timer (``engine.tput_timer``)."""
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    """How ``save_checkpoint`` checks that the ranks agree on the tag."""
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """Profile the model's parameters, MACs and latencies once (``zerolap.profiling.flops``)."""
     tensorboard: TensorBoardConfig = Field(default_factory=TensorBoardConfig)
