@@ -13,8 +13,6 @@ ACCEPTED = {
     "compile": {"deepcompile": True},
     "zero_allow_untested_optimizer": True,
     "zero_force_ds_cpu_optimizer": False,
-    "memory_breakdown": True,
-    "dump_state": True,
     "seed": 1234,
     "disable_allgather": True,
     "graph_harvesting": True,

@@ -180,13 +180,13 @@ def check_config_sources_and_warning() -> None:
                 BASE,
                 optimizer={"type": "SGD", "params": {"lr": 0.1}},
                 autotuning={"enabled": True},
-                dump_state=True,
+                graph_harvesting=True,
             ),
         )
     messages = [w for w in caught if "does not implement" in w]
     if dist.get_rank() == 0:
         assert len(messages) == 1 and "autotuning" in messages[0]
-        assert "dump_state" in messages[0]
+        assert "graph_harvesting" in messages[0]
     else:
         assert messages == []
 

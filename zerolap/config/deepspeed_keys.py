@@ -47,14 +47,6 @@ _TRAINING = "it changes what is trained"
 class DeepSpeedKeys(ConfigSection):
     """The DeepSpeed-only top-level keys (a base of ``ZerolapConfig``)."""
 
-    # Profiling and logging.
-    memory_breakdown: Annotated[bool, DeepSpeedOnly()] = False
-    """DeepSpeed prints memory use at each step."""
-    dump_state: Annotated[bool, DeepSpeedOnly()] = False
-    """DeepSpeed prints its engine state after initialisation."""
-    log_level: Annotated[str | None, DeepSpeedOnly()] = None
-    """DeepSpeed's logger level."""
-
     # Features zerolap does not have; ignoring them leaves the training itself unchanged.
     aio: Annotated[Block, DeepSpeedOnly()] = None
     """DeepSpeed's asynchronous I/O for NVMe offload."""
@@ -86,8 +78,6 @@ class DeepSpeedKeys(ConfigSection):
     """DeepSpeed captures short kernel sequences in CUDA graphs."""
     use_data_before_expert_parallelism: Annotated[bool, DeepSpeedOnly()] = False
     """DeepSpeed's expert/data-parallel group order."""
-    disable_python_gc: Annotated[bool, DeepSpeedOnly()] = False
-    """DeepSpeed turns off Python's cyclic garbage collector."""
     vocabulary_size: Annotated[int | None, DeepSpeedOnly()] = None
     """DeepSpeed warns when this is not a multiple of 8."""
     seed: Annotated[int | None, DeepSpeedOnly()] = None

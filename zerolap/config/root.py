@@ -13,10 +13,10 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
-from pydantic import AliasChoices, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BeforeValidator, ConfigDict, Field, ValidationError
 
 from zerolap.config.activation_checkpointing import ActivationCheckpointingConfig
 from zerolap.config.batch import resolve_batch_size
@@ -80,6 +80,21 @@ class ZerolapConfig(DeepSpeedKeys):
     this many optimizer steps; never by default, as in DeepSpeed 0.19.8. Any number is
     accepted, as DeepSpeed accepts it: a fraction rounds down, and null, infinity (Accelerate
     writes it), zero or a negative number never log (see ``print_interval``)."""
+    memory_breakdown: bool = False
+    """Rank 0 logs its memory (``runtime.utils.see_memory_usage``) before and after every
+    forward, backward and ``step()``."""
+    dump_state: bool = False
+    """Rank 0 logs the resolved ds_config (every key, defaults filled in) and the engine's
+    layout once ``initialize`` has built it."""
+    log_level: Annotated[
+        Literal["debug", "info", "warning", "error", "critical"] | None,
+        BeforeValidator(lambda v: v.lower() if isinstance(v, str) else v),
+    ] = None
+    """The level of zerolap's logger (``deepspeed.utils.logger`` under the shim) and its
+    handlers, set by ``initialize``; unset leaves it as it is."""
+    disable_python_gc: bool = False
+    """Python's automatic cyclic GC stays off while the engine lives (``runtime.python_gc``);
+    ``engine.collect_python_gc()`` collects where the loop chooses."""
     dataloader_drop_last: bool = False
     """The loader ``initialize(training_data=...)`` and ``engine.deepspeed_io`` build drops a
     last batch shorter than the micro-batch."""

@@ -14,6 +14,7 @@ under stage 3 it still shards every parameter and gathers each module's just in 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 import weakref
 from collections import OrderedDict
@@ -34,6 +35,7 @@ from zerolap.moe.parallel import (
 )
 from zerolap.monitor import MonitorMaster
 from zerolap.offload import plan_offload
+from zerolap.runtime import python_gc
 from zerolap.runtime.buffer_dtypes import fp32_buffers
 from zerolap.runtime.flops_profiling import StepFlopsProfile
 from zerolap.runtime.inputs import check_same_inputs
@@ -45,9 +47,10 @@ from zerolap.runtime.norm_share import counted_in_norm
 from zerolap.runtime.release import Attachments, take_over
 from zerolap.runtime.throughput import ThroughputTimer
 from zerolap.runtime.timers import WallClockBreakdown
+from zerolap.runtime.utils import see_memory_usage
 from zerolap.topology import Mesh, build_mesh
 from zerolap.utils.data import ROUTE_TRAIN, make_loader
-from zerolap.utils.logging import logger
+from zerolap.utils.logging import logger, set_log_level_from_string
 from zerolap.zero.external import ensure_registry
 from zerolap.zero.fetcher import ParamFetcher
 from zerolap.zero.flat_params import FlatParams
@@ -165,6 +168,8 @@ class ZerolapEngine(torch.nn.Module):
         self.plan = plan_stage(
             config.zero_optimization.stage, reduce_scatter=config.zero_optimization.reduce_scatter
         )
+        if config.log_level is not None:
+            set_log_level_from_string(config.log_level)
         self._warn_unsupported()
         # DeepSpeed's engine.monitor; built first, so a missing package fails every rank
         # before any collective. Rank 0 alone has monitors to write to, and events to write.
@@ -311,8 +316,41 @@ class ZerolapEngine(torch.nn.Module):
 
             self._flops = StepFlopsProfile(module, config.flops_profiler, sizes)
             self.add_phase_recorder(self._flops)
+        self._gc_given_back = None
+        if config.disable_python_gc:
+            python_gc.acquire()
+            self._gc_given_back = weakref.finalize(self, python_gc.release)
+        if config.dump_state and self.global_rank == 0:
+            logger.info(self._state_text())
 
     # -- construction steps -------------------------------------------------------------------
+
+    def _state_text(self) -> str:
+        """ds_config's ``dump_state``: the resolved config (every key, defaults filled in) and
+        what the engine built from it."""
+        dims = self.mesh.dims
+        facts = {
+            "ZeRO stage": self.plan.stage,
+            "ranks (data x tensor x pipeline x sequence)": (
+                f"{dist.get_world_size()} ({dims.data} x {dims.tensor} x {dims.pipe} x "
+                f"{dims.sequence})"
+            ),
+            "trainable parameters on this rank": sum(p.numel() for p in self.params),
+            "buckets": len(self.layout.buckets),
+            "optimizer": type(self.optimizer.inner).__name__ if self.optimizer else None,
+            "lr scheduler": type(self.lr_scheduler).__name__ if self.lr_scheduler else None,
+            "optimizer state on disk": self.offload.optimizer is not None,
+            "parameters on disk": self.offload.params is not None,
+            "optimizer step on the host, apart from the accelerator": self.offload.host is not None,
+        }
+        config = json.dumps(self._config.model_dump(mode="json"), indent=2, sort_keys=True)
+        lines = [f"  {name}: {value}" for name, value in facts.items() if value is not None]
+        return "engine state (ds_config dump_state):\n" + config + "\n" + "\n".join(lines)
+
+    def collect_python_gc(self) -> int:
+        """One cyclic garbage collection now (with ``disable_python_gc``, where the training
+        loop chooses); the number of objects found."""
+        return python_gc.collect()
 
     def _warn_unsupported(self) -> None:
         """One warning per kind of ds_config entry that loads but does nothing here."""
@@ -678,12 +716,14 @@ class ZerolapEngine(torch.nn.Module):
         if self.fetcher is not None:
             self.fetcher.begin_step()
         self._check_inputs_once(inputs, kwargs)
+        see_memory_usage("Engine before forward", force=self._config.memory_breakdown)
         if self._flops is not None:
             self._flops.before_forward(self.global_steps)
         with self._autocast():
             out = self.module(*inputs, **kwargs)
         if self._flops is not None:
             self._flops.after_forward()
+        see_memory_usage("Engine after forward", force=self._config.memory_breakdown)
         if self.optimizer is not None and torch.is_grad_enabled():
             out = _through_entry(self, out)
         self._phase_recorders("forward", start, time.perf_counter())
@@ -812,6 +852,7 @@ class ZerolapEngine(torch.nn.Module):
         ``scale_wrt_gas`` is false, and multiplied by the fp16 loss scale) and reduce gradients
         when this micro-batch is due to. Returns the loss as divided, as DeepSpeed does."""
         self._require_optimizer("backward")
+        see_memory_usage("Engine before backward", force=self._config.memory_breakdown)
         self._open_backward("engine")
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         start = time.perf_counter()
@@ -825,6 +866,7 @@ class ZerolapEngine(torch.nn.Module):
             self._backward_kind = None
             raise
         self._close_backward(start)
+        see_memory_usage("Engine after backward", force=self._config.memory_breakdown)
         return loss / gas if scale_wrt_gas else loss
 
     def _expose_grads(self) -> None:
@@ -846,6 +888,7 @@ class ZerolapEngine(torch.nn.Module):
         """Call after every micro-batch (or, with ``set_gradient_accumulation_boundary``, at
         the boundary only); the optimizer runs at the accumulation boundary."""
         self._require_optimizer("step")
+        see_memory_usage("Engine before step", force=self._config.memory_breakdown)
         boundary = self.is_gradient_accumulation_boundary()
         stop = None  # a NonFiniteGradientError to raise once the step is counted
         if boundary and self._cycle_fresh:
@@ -895,6 +938,7 @@ class ZerolapEngine(torch.nn.Module):
             self.micro_in_step += 1
         self.micro_steps += 1
         self.tput_timer.stop(global_step=boundary, report_speed=self.global_rank == 0)
+        see_memory_usage("Engine after step", force=self._config.memory_breakdown)
         if stop is not None:
             raise stop  # after the step's bookkeeping: a caller that goes on starts clean
 
@@ -962,6 +1006,8 @@ class ZerolapEngine(torch.nn.Module):
         self.monitor.close()
         if self._flops is not None:
             self._flops.close()
+        if self._gc_given_back is not None:
+            self._gc_given_back()
         self.destroyed = True
         if failure is not None:
             raise failure

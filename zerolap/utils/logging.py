@@ -13,7 +13,7 @@ import functools
 import logging
 import sys
 
-__all__ = ["log_dist", "logger", "warning_once"]
+__all__ = ["log_dist", "logger", "set_log_level_from_string", "warning_once"]
 
 logger = logging.getLogger("zerolap")
 logger.setLevel(logging.INFO)
@@ -37,6 +37,22 @@ def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.
     if rank is not None and not (ranks and (ranks[0] == -1 or rank in ranks)):
         return
     logger.log(level, f"[Rank {-1 if rank is None else rank}] {message}")
+
+
+_LEVELS = {"debug", "info", "warning", "error", "critical"}
+
+
+def set_log_level_from_string(log_level_str: str, custom_logger=None) -> None:
+    """Set ``custom_logger`` (zerolap's by default) and its handlers to the level named
+    ("debug", "info", "warning", "error" or "critical", in any case); ds_config's
+    ``log_level``. DeepSpeed's signature."""
+    name = log_level_str.lower()
+    if name not in _LEVELS:
+        raise ValueError(f"log level {log_level_str!r}: use one of {', '.join(sorted(_LEVELS))}")
+    target = custom_logger if custom_logger is not None else logger
+    target.setLevel(name.upper())
+    for handler in target.handlers:
+        handler.setLevel(name.upper())
 
 
 @functools.lru_cache(None)
