@@ -11,8 +11,6 @@ ACCEPTED = {
     "autotuning": {"enabled": True},
     "hybrid_engine": {"enabled": True},
     "compile": {"deepcompile": True},
-    "zero_allow_untested_optimizer": True,
-    "zero_force_ds_cpu_optimizer": False,
     "seed": 1234,
     "disable_allgather": True,
     "graph_harvesting": True,

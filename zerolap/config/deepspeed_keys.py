@@ -68,10 +68,6 @@ class DeepSpeedKeys(ConfigSection):
     """DeepSpeed's automatic expert parallelism."""
     eigenvalue: Annotated[Block, DeepSpeedOnly()] = None
     """DeepSpeed's Hessian eigenvalue estimation (for MoQ)."""
-    zero_allow_untested_optimizer: Annotated[bool, DeepSpeedOnly()] = False
-    """DeepSpeed refuses client optimizers with ZeRO unless this is set; zerolap takes any."""
-    zero_force_ds_cpu_optimizer: Annotated[bool, DeepSpeedOnly()] = True
-    """DeepSpeed insists on its CPU Adam with optimizer offload."""
     disable_allgather: Annotated[bool, DeepSpeedOnly()] = False
     """DeepSpeed's legacy switch from all-gather to broadcast."""
     graph_harvesting: Annotated[bool, DeepSpeedOnly()] = False

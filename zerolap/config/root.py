@@ -80,6 +80,13 @@ class ZerolapConfig(DeepSpeedKeys):
     this many optimizer steps; never by default, as in DeepSpeed 0.19.8. Any number is
     accepted, as DeepSpeed accepts it: a fraction rounds down, and null, infinity (Accelerate
     writes it), zero or a negative number never log (see ``print_interval``)."""
+    zero_allow_untested_optimizer: bool = False
+    """DeepSpeed refuses a client optimizer under ZeRO unless this is true. zerolap shards any
+    ``torch.optim.Optimizer``, so it behaves as DeepSpeed does with true, whatever the value."""
+    zero_force_ds_cpu_optimizer: bool = True
+    """DeepSpeed refuses any optimizer but its CPU Adam with optimizer offload unless this is
+    false. zerolap steps any optimizer on the host, so it behaves as DeepSpeed does with false,
+    whatever the value."""
     memory_breakdown: bool = False
     """Rank 0 logs its memory (``runtime.utils.see_memory_usage``) before and after every
     forward, backward and ``step()``."""
