@@ -1,4 +1,5 @@
-"""Top-level DeepSpeed keys zerolap accepts but does not implement."""
+"""Top-level DeepSpeed keys: those zerolap accepts without implementing them, and small ones it
+reads (the checkpoint section, the vocabulary size)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,12 @@ def test_checkpoint_section_checks_its_tag_mode_and_names_storage_options():
     assert config.unsupported_keys() == ["checkpoint.load_universal"]
     assert "checkpoint.tag_validation" in load_error({"checkpoint": {"tag_validation": "Maybe"}})
     assert "checkpoint.tag_validaton" in load_error({"checkpoint": {"tag_validaton": "Warn"}})
+
+
+def test_a_vocabulary_size_off_the_multiples_of_8_is_advised():
+    assert load({"vocabulary_size": 50304}).advice() == []
+    (note,) = load({"vocabulary_size": 50257}).advice()
+    assert note.startswith("vocabulary_size: 50257 is not a multiple of 8")
 
 
 def test_disabled_features_are_not_reported():

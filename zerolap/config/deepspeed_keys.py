@@ -74,8 +74,6 @@ class DeepSpeedKeys(ConfigSection):
     """DeepSpeed captures short kernel sequences in CUDA graphs."""
     use_data_before_expert_parallelism: Annotated[bool, DeepSpeedOnly()] = False
     """DeepSpeed's expert/data-parallel group order."""
-    vocabulary_size: Annotated[int | None, DeepSpeedOnly()] = None
-    """DeepSpeed warns when this is not a multiple of 8."""
     seed: Annotated[int | None, DeepSpeedOnly()] = None
     """A seed some DeepSpeed configs carry; zerolap does not seed anything from it."""
     allgather_size: Annotated[int | None, DeepSpeedOnly()] = None

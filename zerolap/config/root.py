@@ -80,6 +80,10 @@ class ZerolapConfig(DeepSpeedKeys):
     this many optimizer steps; never by default, as in DeepSpeed 0.19.8. Any number is
     accepted, as DeepSpeed accepts it: a fraction rounds down, and null, infinity (Accelerate
     writes it), zero or a negative number never log (see ``print_interval``)."""
+    vocabulary_size: int | None = Field(None, ge=1)
+    """The model's vocabulary size, when the config states it: one not a multiple of 8 is
+    warned about (matrix units work on multiples of 8; pad the vocabulary), as DeepSpeed
+    does."""
     zero_allow_untested_optimizer: bool = False
     """DeepSpeed refuses a client optimizer under ZeRO unless this is true. zerolap shards any
     ``torch.optim.Optimizer``, so it behaves as DeepSpeed does with true, whatever the value."""
@@ -211,6 +215,15 @@ class ZerolapConfig(DeepSpeedKeys):
             if zero and "allgather_size" in data:
                 data["zero_optimization"]["allgather_bucket_size"] = data.pop("allgather_size")
         return data
+
+    def _advise(self) -> list[Problem]:
+        if self.vocabulary_size and self.vocabulary_size % 8:
+            message = (
+                f"{self.vocabulary_size} is not a multiple of 8; matrix units (tensor cores) "
+                "work on multiples of 8, so padding the vocabulary speeds the embedding and head"
+            )
+            return [Problem(("vocabulary_size",), message)]
+        return []
 
     def _check(self, context: Mapping[str, Any]) -> list[Problem]:
         problems = []
