@@ -168,3 +168,80 @@ def check_pipeline_refused() -> str:
 def test_a_pipeline_with_the_profiler_is_refused(ranks):
     for message in ranks(2).run(check_pipeline_refused):
         assert "flops_profiler.enabled with a PipelineModule" in message
+
+
+class Shared(nn.Module):
+    """One Linear held by two parents, and called by both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(W, W)
+        self.enc, self.dec = nn.Sequential(shared), nn.Sequential(shared)
+
+    def forward(self, x):
+        return self.dec(self.enc(x))
+
+
+def test_a_module_held_twice_counts_once_in_the_totals():
+    model = Shared()
+    flops, macs, _ = get_model_profile(model, input_shape=(B, W), as_string=False)
+    assert macs == 2 * B * W * W  # two calls of one Linear, not four
+    assert flops == 2 * macs
+
+
+def test_a_forward_that_raises_leaves_no_counting_behind():
+    model = Net()
+    prof = FlopsProfiler(model)
+    prof.start_profile()
+    with pytest.raises(RuntimeError):
+        model(torch.randn(B, S, W + 1))  # the wrong width: the first Linear raises
+    prof.end_profile()
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    assert _get_current_dispatch_mode() is None
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
+class Checkpointed(nn.Module):
+    """A child run under activation checkpointing: recomputed in the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Sequential(nn.Linear(W, W), nn.Tanh())
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False).sum()
+
+
+def check_eval_and_recompute_are_not_profiled(out: str) -> dict:
+    torch.manual_seed(0)
+    model = Checkpointed()
+    config = {
+        "train_micro_batch_size_per_gpu": B,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": out},
+    }
+    engine, *_ = zerolap.initialize(model=model, config=config)
+    profile = engine._flops
+    for step in range(3):
+        with torch.no_grad():  # evaluations inside the timed step and before the counted one
+            engine(torch.randn(8 * B, W))
+        engine.backward(engine(torch.randn(B, W)))
+        engine.step()
+        if profile is not None and step == 1:
+            timed_forwards = profile._forwards
+            inner = profile.timed.latency(model.inner)
+            whole = profile.timed.latency(model)
+    engine.destroy()
+    if profile is None:
+        return {}
+    return {"forwards": timed_forwards, "inner_within": inner <= whole}
+
+
+def test_evaluation_and_recompute_stay_out_of_the_profile(ranks, tmp_path):
+    out = tmp_path / "flops.txt"
+    first, _ = ranks(2).run(check_eval_and_recompute_are_not_profiled, str(out))
+    assert first == {"forwards": 1, "inner_within": True}  # the one training micro-batch
+    text = out.read_text()
+    # Counted on the next training forward (batch B), not on the evaluation (batch 8 B).
+    assert re.search(rf"\nfwd MACs per GPU: +{number_to_string(B * W * W)}MACs\n", text)

@@ -162,3 +162,62 @@ def test_pipeline_engine_writes_train_and_eval_losses(ranks, tmp_path):
     samples = [models.MICRO * 2, models.MICRO * 4]  # 2 micro-batches a step, one data rank
     assert [step for step, _ in first["train"]] == samples
     assert [step for step, _ in _rows(job / "Train_Samples_lr.csv")[1]] == samples
+
+
+def check_monitor_failures(out: str) -> dict:
+    from tests.logs import captured_logs
+
+    model = torch.nn.Linear(4, 1)
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "csv_monitor": {"enabled": True, "output_path": str(Path(out) / "a-file")},
+    }
+    with pytest.raises(ConfigError) as caught:  # rank 0 cannot make its directory
+        zerolap.initialize(model=model, config=config)
+    started = str(caught.value)
+    config["csv_monitor"]["output_path"] = out
+    engine, *_ = zerolap.initialize(model=model, config=config)
+    with captured_logs() as logs:
+        for step in range(3):
+            if step == 1 and torch.distributed.get_rank() == 0:
+                written = Path(out) / "DeepSpeedJobName" / "Train_Samples_lr.csv"
+                written.unlink()
+                written.mkdir()  # a directory where the file was: it cannot be appended to
+            engine.backward(engine(torch.randn(2, 4)).pow(2).sum())
+            engine.step()
+    return {
+        "started": started,
+        "errors": [line for line in logs if "monitor failed" in line],
+        "writers": len(engine.monitor.monitors),
+        "steps": engine.global_steps,
+    }
+
+
+def test_a_monitor_that_fails_fails_initialize_on_every_rank_or_goes_off(ranks, tmp_path):
+    (tmp_path / "a-file").write_text("not a directory")
+    first, second = ranks(2).run(check_monitor_failures, str(tmp_path))
+    assert "csv_monitor: NotADirectoryError" in first["started"]
+    assert "could not start on rank 0" in second["started"]
+    # A write that fails mid-run: said once, the writer off, the training on.
+    assert len(first["errors"]) == 1 and "csv_monitor" in first["errors"][0]
+    assert first["writers"] == 0 and first["steps"] == second["steps"] == 3
+    assert second["errors"] == []
+
+
+def check_profiler_sends_timers(out: str) -> list[str]:
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "flops_profiler": {"enabled": True, "output_file": str(Path(out) / "flops.txt")},
+        "csv_monitor": {"enabled": True, "output_path": out, "job_name": "job"},
+    }
+    engine, *_ = zerolap.initialize(model=torch.nn.Linear(4, 1), config=config)
+    engine.backward(engine(torch.randn(2, 4)).pow(2).sum())
+    engine.step()
+    return sorted(p.name for p in (Path(out) / "job").iterdir())
+
+
+def test_the_flops_profiler_sends_the_timers_as_deepspeed_does(ranks, tmp_path):
+    names = ranks(2).run(check_profiler_sends_timers, str(tmp_path))[0]
+    assert {f"Train_Samples_elapsed_time_ms_{timer}.csv" for timer in TIMERS} <= set(names)

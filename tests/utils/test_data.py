@@ -71,3 +71,37 @@ def test_deepspeed_io_splits_the_data_and_drops_the_last_short_batch(ranks, drop
         assert result["eval"] == [[float(x) for x in b] for b in expected]
     train = sorted(x for result in results for batch in result["train"] for x in batch)
     assert set(train) == set(map(float, range(11)))
+
+
+def _pad(samples):
+    """Pads ragged samples to one length: a plain stack would fail on them."""
+    longest = max(len(s) for s in samples)
+    return torch.stack([torch.cat([s, s.new_zeros(longest - len(s))]) for s in samples])
+
+
+class Ragged(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return torch.ones(1 + index % 3)
+
+
+def check_collate_and_routes() -> dict:
+    import zerolap
+
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {}}}
+    engine, *_ = zerolap.initialize(model=torch.nn.Linear(1, 1), config=config, collate_fn=_pad)
+    evaluated = [b.shape[0] for b in engine.deepspeed_io(Ragged(), route="eval")]  # padded
+    numbered = torch.utils.data.TensorDataset(torch.arange(16.0))
+    stacked = torch.utils.data.default_collate  # None would mean initialize's, as in DeepSpeed
+    encoded = engine.deepspeed_io(numbered, route="encode", collate_fn=stacked)
+    encoded = [b[0].tolist() for b in encoded]
+    return {"evaluated": evaluated, "encoded": encoded}
+
+
+def test_deepspeed_io_collates_with_initializes_collate_fn_and_shuffles_to_encode(ranks):
+    for rank, result in enumerate(ranks(2).run(check_collate_and_routes)):
+        assert result["evaluated"] == [2, 2]
+        order = torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist()[rank::2]
+        assert result["encoded"] == [order[i : i + 2] for i in range(0, 8, 2)]  # as DeepSpeed

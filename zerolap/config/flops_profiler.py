@@ -19,8 +19,9 @@ class FlopsProfilerConfig(ConfigSection):
     """The share of the forward recomputed in the backward (activation checkpointing: 1.0 for
     all of it), counted into the backward's flops (2 forwards' worth, plus this)."""
     profile_step: int = Field(1, ge=0)
-    """The optimizer step (counted from 0) whose latencies are printed; its first micro-batch
-    is timed module by module, and the next forward is counted."""
+    """The optimizer step (counted from 0) whose latencies are printed (the first one after it
+    that trains, in a run resumed past it): its training forwards are timed module by module,
+    and the next training forward is counted."""
     module_depth: int = Field(-1, ge=-1)
     """How deep the aggregated and detailed views go; -1 for every depth."""
     top_modules: int = Field(1, ge=1)

@@ -6,6 +6,6 @@ holds one writer per destination. Which events the engine writes, and when, is t
 business (``zerolap.runtime.monitoring``).
 """
 
-from zerolap.monitor.monitor import Event, Monitor, MonitorMaster
+from zerolap.monitor.monitor import Event, Monitor, MonitorError, MonitorMaster
 
-__all__ = ["Event", "Monitor", "MonitorMaster"]
+__all__ = ["Event", "Monitor", "MonitorError", "MonitorMaster"]

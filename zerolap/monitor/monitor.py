@@ -16,8 +16,9 @@ from typing import Any
 
 import zerolap.comm as dist
 from zerolap.config.errors import ConfigError
+from zerolap.utils.logging import logger
 
-__all__ = ["Event", "Monitor", "MonitorMaster"]
+__all__ = ["Event", "Monitor", "MonitorError", "MonitorMaster"]
 
 Event = tuple[str, Any, int]
 """(name, value, step): DeepSpeed's event tuple; the engine's step is its global sample count."""
@@ -45,10 +46,11 @@ class MonitorMaster(Monitor):
     """The monitors ``monitor_config`` switches on (its ``tensorboard``, ``csv_monitor``,
     ``wandb`` and ``comet`` blocks: a ``ZerolapConfig`` or ``get_monitor_config(dict)``),
     built on global rank 0 only; ``write_events`` hands events to each of them there and does
-    nothing elsewhere."""
+    nothing elsewhere. A monitor whose writing fails is switched off with an error logged:
+    losing a curve must not stop the training, nor leave rank 0 out of the next collective."""
 
     def __init__(self, monitor_config: Any) -> None:
-        blocks = {name: getattr(monitor_config, name) for name in _BLOCK_NAMES}
+        blocks = {block: getattr(monitor_config, block) for block, _, _ in _WRITERS}
         self.enabled = any(block.enabled for block in blocks.values())
         for name, block in blocks.items():
             if block.enabled and name in _PACKAGES:
@@ -60,31 +62,49 @@ class MonitorMaster(Monitor):
         # block asks for it.
         from zerolap.monitor import writers
 
-        if blocks["tensorboard"].enabled:
-            self.tb_monitor = writers.TensorBoardMonitor(blocks["tensorboard"])
-        if blocks["csv_monitor"].enabled:
-            self.csv_monitor = writers.CsvMonitor(blocks["csv_monitor"])
-        if blocks["wandb"].enabled:
-            self.wandb_monitor = writers.WandbMonitor(blocks["wandb"])
-        if blocks["comet"].enabled:
-            self.comet_monitor = writers.CometMonitor(blocks["comet"])
+        for block, attribute, writer in _WRITERS:
+            if blocks[block].enabled:
+                try:
+                    setattr(self, attribute, getattr(writers, writer)(blocks[block]))
+                except Exception as error:
+                    raise MonitorError(f"{block}: {type(error).__name__}: {error}") from error
 
     @property
     def monitors(self) -> list[Monitor]:
         """The monitors this rank writes to (none but on rank 0)."""
-        found = (self.tb_monitor, self.csv_monitor, self.wandb_monitor, self.comet_monitor)
+        found = (getattr(self, attribute) for _, attribute, _ in _WRITERS)
         return [monitor for monitor in found if monitor is not None]
 
     def write_events(self, event_list: Sequence[Event]) -> None:
-        for monitor in self.monitors:
-            monitor.write_events(event_list)
+        for block, attribute, _ in _WRITERS:
+            monitor = getattr(self, attribute)
+            if monitor is None:
+                continue
+            try:
+                monitor.write_events(event_list)
+            except Exception as error:
+                setattr(self, attribute, None)
+                logger.error(
+                    f"the {block} monitor failed and writes nothing more: "
+                    f"{type(error).__name__}: {error}"
+                )
 
     def close(self) -> None:
         for monitor in self.monitors:
             monitor.close()
 
 
-_BLOCK_NAMES = ("tensorboard", "csv_monitor", "wandb", "comet")
+class MonitorError(RuntimeError):
+    """A monitor that could not start on this rank (the block and the cause named)."""
+
+
+# block, MonitorMaster's attribute (DeepSpeed's names), writer class in ``writers``
+_WRITERS = (
+    ("tensorboard", "tb_monitor", "TensorBoardMonitor"),
+    ("csv_monitor", "csv_monitor", "CsvMonitor"),
+    ("wandb", "wandb_monitor", "WandbMonitor"),
+    ("comet", "comet_monitor", "CometMonitor"),
+)
 
 
 def _global_rank() -> int:

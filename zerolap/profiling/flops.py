@@ -84,7 +84,8 @@ class ModelProfile:
     """What the durations are summed over: ``latency`` divides by it."""
 
     def flops(self, module: torch.nn.Module) -> int:
-        return self.own_flops.get(module, 0) + sum(self.flops(c) for c in module.children())
+        """``module``'s and its descendants' (a module held twice in the tree counted once)."""
+        return sum(self.own_flops.get(m, 0) for m in module.modules())
 
     def macs(self, module: torch.nn.Module) -> int:
         return self.flops(module) // 2

@@ -33,7 +33,6 @@ from zerolap.moe.parallel import (
     expert_parallel_size,
     set_up_expert_parallelism,
 )
-from zerolap.monitor import MonitorMaster
 from zerolap.offload import plan_offload
 from zerolap.runtime import python_gc
 from zerolap.runtime.buffer_dtypes import fp32_buffers
@@ -41,7 +40,7 @@ from zerolap.runtime.flops_profiling import StepFlopsProfile
 from zerolap.runtime.inputs import check_same_inputs
 from zerolap.runtime.loss_scaler import build_loss_scaler
 from zerolap.runtime.memory import MemoryBreakdown, measure_memory
-from zerolap.runtime.monitoring import TrainingEvents
+from zerolap.runtime.monitoring import TrainingEvents, start_monitors
 from zerolap.runtime.nonfinite import NonFiniteGuard
 from zerolap.runtime.norm_share import counted_in_norm
 from zerolap.runtime.release import Attachments, take_over
@@ -173,10 +172,12 @@ class ZerolapEngine(torch.nn.Module):
         self._warn_unsupported()
         # DeepSpeed's engine.monitor; built first, so a missing package fails every rank
         # before any collective. Rank 0 alone has monitors to write to, and events to write.
-        self.monitor = MonitorMaster(config)
+        self.monitor = start_monitors(config)
         self._events = None
         if self.monitor.monitors:
-            self._events = TrainingEvents(self.monitor, timed=config.wall_clock_breakdown)
+            # DeepSpeed sends its timers to the monitors with either of these on.
+            timed = config.wall_clock_breakdown or config.flops_profiler.enabled
+            self._events = TrainingEvents(self.monitor, timed=timed)
         # Expert parallelism: each MoE layer's groups, and the size of its experts' own
         # partition (their buckets are reduced and sharded over the ranks holding the same
         # experts, every ep_size-th data-parallel rank).
@@ -259,6 +260,7 @@ class ZerolapEngine(torch.nn.Module):
             self.optimizer.parameter_offload = self.fetcher  # DeepSpeed's name (TRL reads it)
         self._optimizer_name = optimizer_name
         self.destroyed = False
+        self.collate_fn = None  # the loaders' default (initialize's collate_fn, as DeepSpeed)
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -301,7 +303,13 @@ class ZerolapEngine(torch.nn.Module):
         if self._events is not None and self._events.timed:
             self.add_phase_recorder(self._events)
         self._flops = None  # rank 0's flops profile (ds_config's flops_profiler)
-        if config.flops_profiler.enabled and self.global_rank == 0:
+        if config.flops_profiler.enabled and self.global_rank == 0 and self.optimizer is None:
+            logger.warning(
+                "flops_profiler.enabled on an engine without an optimizer: it profiles a "
+                "training step, and this engine takes none; profile the model with "
+                "zerolap.profiling.flops.get_model_profile"
+            )
+        elif config.flops_profiler.enabled and self.global_rank == 0:
             engine = weakref.ref(self)  # the model's hooks reach the phase recorders
 
             def sizes() -> dict:
@@ -1045,14 +1053,17 @@ class ZerolapEngine(torch.nn.Module):
         num_local_io_workers: int | None = None,
     ) -> torch.utils.data.DataLoader:
         """DeepSpeed's loader for this rank: micro-batches of ``batch_size`` (the micro-batch
-        size by default) from its share of ``dataset`` (``utils.data.make_loader``: shuffled
-        for ``route='train'``, in order for ``'eval'`` and ``'predict'``, unless
-        ``data_sampler`` is given), a last short batch dropped with ds_config's
-        ``dataloader_drop_last``. The ranks of a tensor-parallel group get the same batches.
+        size by default) from its share of ``dataset`` (``utils.data.make_loader``: in order
+        for ``route='eval'`` and ``'predict'``, shuffled for ``'train'`` and ``'encode'``,
+        unless ``data_sampler`` is given), a last short batch dropped with ds_config's
+        ``dataloader_drop_last``, and batches made by ``collate_fn`` (``initialize``'s by
+        default). The ranks of a tensor-parallel group get the same batches.
         Under sequence parallelism every rank draws batches of its own, which
         ``UlyssesSPDataLoaderAdapter`` gathers and cuts (its peers' batches are its
         micro-batches). Loads in this process unless ``num_local_io_workers`` says otherwise
         (DeepSpeed starts 2 workers)."""
+        if collate_fn is None:
+            collate_fn = self.collate_fn
         if not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
             raise TypeError(
                 "deepspeed_io() needs a map-style dataset (with __getitem__ and __len__, which "

@@ -3,17 +3,21 @@
 DeepSpeed counts and times the same forward, so the counting's own cost lands in its
 latencies. Here the two are apart, each on real training forwards:
 
-1. Step ``profile_step``: every forward is timed module by module, and the engine's phases
-   give the step's forward, backward and optimizer times (no counting runs).
-2. The first forward after that step is counted (``zerolap.profiling.flops``), and the profile
-   is printed when it ends: summary, aggregated view, module tree.
+1. Step ``profile_step`` (or the first step after it that trains, in a run resumed past it):
+   each training forward is timed module by module, the hooks on only while the engine's
+   forward runs (a recompute in the backward is the backward's), and the engine's phases give
+   the step's backward and optimizer times. Nothing is counted.
+2. The next training forward is counted (``zerolap.profiling.flops``), and the profile is
+   printed when it ends: summary, aggregated view, module tree.
 
-A run that stops before that forward prints nothing.
+Evaluation forwards (gradients off) are neither timed nor counted: they are not micro-batches,
+and their batches may have other shapes. A run that stops before step 2 prints nothing.
 """
 
 from __future__ import annotations
 
 import enum
+import time
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -27,6 +31,7 @@ from zerolap.profiling.flops import (
     recording,
     write_report,
 )
+from zerolap.utils.logging import logger
 
 __all__ = ["StepFlopsProfile"]
 
@@ -54,38 +59,50 @@ class StepFlopsProfile:
         self.describe = describe
         self.stage = _Stage.WAITING
         self.timed = ModelProfile(model)
+        self.counted = ModelProfile(model)
         self._phases: dict[str, float] = defaultdict(float)
+        self._forward_time = 0.0
         self._forwards = 0
         self._recording = None
+        self._started = 0.0
+        self._step = section.profile_step  # the step timed
 
     # -- the engine's calls -----------------------------------------------------------------
 
     def before_forward(self, global_steps: int) -> None:
-        if self.stage is _Stage.WAITING and global_steps == self.section.profile_step:
+        """A forward of the engine begins. Only training forwards (gradients on) are timed or
+        counted: an evaluation inside the step is neither a micro-batch nor its shape."""
+        self._stop()  # a forward that raised left its hooks on: that forward does not count
+        if not torch.is_grad_enabled():
+            return
+        if self.stage is _Stage.WAITING and global_steps >= self.section.profile_step:
             self.stage = _Stage.TIMING
-            self._start(count=False, profile=self.timed)
-        elif self.stage is _Stage.COUNTING:
-            self.counted = ModelProfile(self.model)
-            self._start(count=True, profile=self.counted)
+            self._step = global_steps
         if self.stage is _Stage.TIMING:
-            self._forwards += 1
+            self._start(count=False, profile=self.timed)
+            self._started = time.perf_counter()
+        elif self.stage is _Stage.COUNTING:
+            self._start(count=True, profile=self.counted)
 
     def after_forward(self) -> None:
-        if self.stage is not _Stage.COUNTING or self._recording is None:
+        if self._recording is None:
             return
-        self._stop()
-        self.stage = _Stage.DONE
-        self._print()
+        self._stop()  # hooks only around the engine's forwards (not a recompute in backward)
+        if self.stage is _Stage.TIMING:
+            self._forward_time += time.perf_counter() - self._started
+            self._forwards += 1
+        elif self.stage is _Stage.COUNTING:
+            self.stage = _Stage.DONE
+            self._print()
 
     def record(self, phase: str, start: float, end: float, compute: bool = True) -> None:
-        if self.stage is not _Stage.TIMING:
-            return
+        if self.stage is not _Stage.TIMING or phase == "forward":
+            return  # forwards are timed above, training ones only
         if phase != "step_end":
             self._phases[phase] += end - start
-            return
-        self._stop()
-        self.timed.timed_passes = max(self._forwards, 1)
-        self.stage = _Stage.COUNTING
+        elif self._forwards:
+            self.timed.timed_passes = self._forwards
+            self.stage = _Stage.COUNTING
 
     def close(self) -> None:
         self._stop()
@@ -103,9 +120,9 @@ class StepFlopsProfile:
             self._recording = None
 
     def _print(self) -> None:
-        phases, forwards = self._phases, max(self._forwards, 1)
+        phases, forwards = self._phases, self._forwards
         times = StepTimes(
-            forward=phases["forward"] / forwards,
+            forward=self._forward_time / forwards,
             backward=(phases["backward"] + phases["backward_wait"]) / forwards,
             step=phases["optimizer"] + phases["allgather_wait"],
             micro_batches=forwards,
@@ -114,11 +131,14 @@ class StepFlopsProfile:
         self.timed.own_flops = self.counted.own_flops
         text = model_report(
             self.timed,
-            profile_step=self.section.profile_step,
+            profile_step=self._step,
             module_depth=self.section.module_depth,
             top_modules=self.section.top_modules,
             detailed=self.section.detailed,
             times=times,
             recompute_fwd_factor=self.section.recompute_fwd_factor,
         )
-        write_report(text, self.section.output_file)
+        try:
+            write_report(text, self.section.output_file)
+        except OSError as error:  # inside a forward on rank 0 alone: say so, train on
+            logger.error(f"flops_profiler: the profile could not be written: {error}")

@@ -310,6 +310,7 @@ def initialize(
         mesh=mesh,
     )
     use_mesh(mesh)
+    engine.collate_fn = collate_fn
     loader = None
     if training_data is not None and isinstance(engine, PipelineEngine):
         # A pipeline reads the data in order and returns a loader that starts over when it
@@ -320,10 +321,8 @@ def initialize(
             rank=engine.get_data_parallel_rank(),
             shuffle=False,
         )
-        loader = RepeatingLoader(
-            engine.deepspeed_io(training_data, data_sampler=in_order, collate_fn=collate_fn)
-        )
+        loader = RepeatingLoader(engine.deepspeed_io(training_data, data_sampler=in_order))
         engine.set_dataiterator(iter(loader))  # train_batch() without data_iter
     elif training_data is not None:
-        loader = engine.deepspeed_io(training_data, collate_fn=collate_fn)
+        loader = engine.deepspeed_io(training_data)
     return engine, engine.optimizer, loader, engine.lr_scheduler

@@ -26,10 +26,12 @@ from collections import defaultdict
 
 import torch
 
-from zerolap.monitor import MonitorMaster
+import zerolap.comm as dist
+from zerolap.config.errors import ConfigError
+from zerolap.monitor import MonitorError, MonitorMaster
 from zerolap.runtime.timers import TIMED
 
-__all__ = ["TrainingEvents"]
+__all__ = ["TrainingEvents", "start_monitors"]
 
 _PREFIX = "Train/Samples/"
 
@@ -77,3 +79,24 @@ class TrainingEvents:
     def write(self, name: str, value: float, samples: int) -> None:
         """One event outside the step's (the pipeline engine's losses)."""
         self.monitor.write_events([(_PREFIX + name, value, samples)])
+
+
+def start_monitors(config) -> MonitorMaster:
+    """The engine's ``MonitorMaster``. A writer that cannot start on rank 0 (an output path
+    that is a file, a W&B run that cannot begin) fails ``initialize`` on every rank alike: one
+    one-element all-reduce, only when a monitor is switched on."""
+    monitor, failure = None, None
+    try:
+        monitor = MonitorMaster(config)  # a missing package: a ConfigError on every rank
+    except MonitorError as error:
+        failure = error
+    if monitor is not None and not monitor.enabled:
+        return monitor
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([0.0 if failure is None else 1.0], device=dist.buffer_device())
+        dist.all_reduce(flag, op="max")
+        if flag.item() and failure is None:
+            raise ConfigError("a monitor could not start on rank 0 (its error names it)")
+    if failure is not None:
+        raise ConfigError(f"a monitor could not start: {failure}") from failure
+    return monitor

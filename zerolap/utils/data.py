@@ -18,7 +18,7 @@ __all__ = [
     "make_loader",
 ]
 
-# What a loader is for (DeepSpeed's names): only training shuffles.
+# What a loader is for (DeepSpeed's names): evaluation and prediction read in order.
 ROUTE_TRAIN = "train"
 ROUTE_EVAL = "eval"
 ROUTE_PREDICT = "predict"
@@ -40,14 +40,18 @@ def make_loader(
     num_workers: int = 0,
 ) -> DataLoader:
     """Batches of ``batch_size`` from ``rank``'s share of ``dataset`` among ``replicas``: a
-    ``DistributedSampler`` (shuffled with its seed 0 for ``ROUTE_TRAIN``, in order otherwise)
+    ``DistributedSampler`` (in order for ``ROUTE_EVAL`` and ``ROUTE_PREDICT``, shuffled with its
+    seed 0 otherwise)
     unless ``data_sampler`` is given. ``drop_last`` drops a last batch shorter than
     ``batch_size`` (ds_config's ``dataloader_drop_last``)."""
     if route not in _ROUTES:
         raise ValueError(f"route={route!r}: use one of {', '.join(map(repr, _ROUTES))}")
     if data_sampler is None:
         data_sampler = DistributedSampler(
-            dataset, num_replicas=replicas, rank=rank, shuffle=route == ROUTE_TRAIN
+            dataset,
+            num_replicas=replicas,
+            rank=rank,
+            shuffle=route not in (ROUTE_EVAL, ROUTE_PREDICT),
         )
     return DataLoader(
         dataset,
