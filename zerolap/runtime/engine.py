@@ -343,7 +343,7 @@ class ZerolapEngine(torch.nn.Module):
                 f"{dist.get_world_size()} ({dims.data} x {dims.tensor} x {dims.pipe} x "
                 f"{dims.sequence})"
             ),
-            "trainable parameters on this rank": sum(p.numel() for p in self.params),
+            "trainable parameters": sum(getattr(p, "ds_numel", p.numel()) for p in self.params),
             "buckets": len(self.layout.buckets),
             "optimizer": type(self.optimizer.inner).__name__ if self.optimizer else None,
             "lr scheduler": type(self.lr_scheduler).__name__ if self.lr_scheduler else None,
