@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -245,3 +247,22 @@ def test_evaluation_and_recompute_stay_out_of_the_profile(ranks, tmp_path):
     text = out.read_text()
     # Counted on the next training forward (batch B), not on the evaluation (batch 8 B).
     assert re.search(rf"\nfwd MACs per GPU: +{number_to_string(B * W * W)}MACs\n", text)
+
+
+def test_the_first_profile_in_a_process_does_not_time_torchs_imports():
+    # The first operation through a Python dispatch mode imports about a second of torch;
+    # start_profile takes that, not the first profiled module.
+    script = (
+        "import torch\n"
+        "from zerolap.profiling.flops import FlopsProfiler\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(64, 64))\n"
+        "prof = FlopsProfiler(model)\n"
+        "prof.start_profile()\n"
+        "model(torch.randn(8, 64))\n"
+        "print(prof.get_total_duration())\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    assert float(done.stdout.split()[-1]) < 0.25  # ~1 ms; with the imports, ~1 s

@@ -47,7 +47,8 @@ def test_memory_breakdown_and_dump_state_log_on_rank_0(ranks):
     first, second = ranks(2).run(check_memory_breakdown_and_dump_state)
     one = ["before forward", "after forward", "before backward", "after backward"]
     one += ["before step", "after step"]
-    assert first["phases"] == [f"Engine {phase}" for phase in one] * 2  # each micro-batch
+    each = [f"Engine {phase}" for phase in one]
+    assert first["phases"] == ["Engine after initialize", *each, *each]  # each micro-batch
     assert len(first["memory"]) == len(first["phases"])  # each with its figures
     (dump,) = first["dumps"]
     assert '"stage": 2' in dump and '"gradient_accumulation_steps": 2' in dump

@@ -92,8 +92,8 @@ class ZerolapConfig(DeepSpeedKeys):
     false. zerolap steps any optimizer on the host, so it behaves as DeepSpeed does with false,
     whatever the value."""
     memory_breakdown: bool = False
-    """Rank 0 logs its memory (``runtime.utils.see_memory_usage``) before and after every
-    forward, backward and ``step()``."""
+    """Rank 0 logs its memory (``runtime.utils.see_memory_usage``) once the engine is built,
+    and before and after every forward, backward and ``step()``."""
     dump_state: bool = False
     """Rank 0 logs the resolved ds_config (every key, defaults filled in) and the engine's
     layout once ``initialize`` has built it."""

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import time
 from collections import defaultdict
@@ -66,6 +67,15 @@ class _Counting(TorchDispatchMode):
         if formula is not None and self.stack:
             self.profile.own_flops[self.stack[-1]] += int(formula(*args, **kwargs, out_val=out))
         return out
+
+
+@functools.cache
+def _warm_up() -> None:
+    """The first operation through any Python dispatch mode imports a large part of torch
+    (dynamo, sympy: about a second); done here, once per process, it stays out of the first
+    profiled forward's latencies."""
+    with _Counting(ModelProfile(torch.nn.Module()), []):
+        torch.zeros(1).add(1)
 
 
 @dataclasses.dataclass
@@ -134,6 +144,8 @@ class _Hooks:
         ignore: Iterable[type] = (),
     ) -> None:
         self.model, self.profile, self.count, self.timed = model, profile, count, timed
+        if count:
+            _warm_up()
         self.stack: list[torch.nn.Module] = []
         self.starts: list[float] = []
         self.mode: _Counting | None = None

@@ -330,6 +330,7 @@ class ZerolapEngine(torch.nn.Module):
             self._gc_given_back = weakref.finalize(self, python_gc.release)
         if config.dump_state and self.global_rank == 0:
             logger.info(self._state_text())
+        see_memory_usage("Engine after initialize", force=config.memory_breakdown)
 
     # -- construction steps -------------------------------------------------------------------
 
