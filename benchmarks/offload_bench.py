@@ -397,6 +397,23 @@ def _print_model(model: str, runs: dict, systems: dict, io_bw: float) -> None:
     for name, row in rows.items():
         forward, backward, step = (t * 1e3 for t in row["phases_s"])
         print(f"  {name:12} {forward:6.0f} / {backward:6.0f} / {step:6.0f} ms")
+    print(
+        "  the target (exposed <= 25% of the I/O time) holds where forward + backward take longer"
+    )
+    print("  than the I/O; forward + backward of the same stage without offload, against it:")
+    for name, row in rows.items():
+        base = rows.get(BASELINE.get(systems[name][0], name), row)
+        io_time = row["io_bytes"] / io_bw
+        if not io_time or base is row:
+            continue
+        compute = sum(base["phases_s"][:2])
+        exposed = (row["step_s"] - base["step_s"]) / io_time
+        verdict = (
+            f"applies: {exposed:.0%}, {'met' if exposed <= 0.25 else 'not met'}"
+            if compute >= io_time
+            else "does not apply (the I/O is longer)"
+        )
+        print(f"  {name:12} {compute * 1e3:6.0f} ms against {io_time * 1e3:6.0f} ms: {verdict}")
     print()
 
 
