@@ -266,3 +266,27 @@ def test_the_first_profile_in_a_process_does_not_time_torchs_imports():
     )
     assert done.returncode == 0, done.stderr
     assert float(done.stdout.split()[-1]) < 0.25  # ~1 ms; with the imports, ~1 s
+
+
+def check_a_raising_forward_leaves_no_hooks(out: str) -> dict:
+    torch.manual_seed(0)
+    model = Net()
+    config = {
+        "train_micro_batch_size_per_gpu": B,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "flops_profiler": {"enabled": True, "profile_step": 0, "output_file": out},
+    }
+    engine, *_ = zerolap.initialize(model=model, config=config)
+    with pytest.raises(RuntimeError):
+        engine(torch.randn(B, S, W + 1))  # the wrong width, inside the timed step
+    left = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    for _ in range(2):
+        engine.backward(engine(torch.randn(B, S, W)))
+        engine.step()
+    engine(torch.randn(B, S, W))  # the counted forward
+    return {"left": left, "written": os.path.exists(out)}
+
+
+def test_a_forward_that_raises_in_the_engine_takes_its_hooks_off(ranks, tmp_path):
+    first, _ = ranks(2).run(check_a_raising_forward_leaves_no_hooks, str(tmp_path / "f.txt"))
+    assert first == {"left": 0, "written": True}

@@ -96,12 +96,10 @@ class DeepSpeedMonitorConfig(ConfigSection):
     @property
     def enabled(self) -> bool:
         """Whether any monitor is switched on."""
-        return any(
-            block.enabled for block in (self.tensorboard, self.csv_monitor, self.wandb, self.comet)
-        )
+        return any(getattr(self, name).enabled for name in type(self).model_fields)
 
 
 def get_monitor_config(param_dict: Mapping[str, Any]) -> DeepSpeedMonitorConfig:
     """The monitor blocks of a ds_config dict (DeepSpeed's function of the same name)."""
-    blocks = ("tensorboard", "csv_monitor", "wandb", "comet")
+    blocks = DeepSpeedMonitorConfig.model_fields
     return DeepSpeedMonitorConfig(**{key: param_dict.get(key) or {} for key in blocks})

@@ -174,12 +174,8 @@ class ZerolapConfig(DeepSpeedKeys):
     @property
     def monitor_config(self) -> DeepSpeedMonitorConfig:
         """The four monitor blocks together, as DeepSpeed's config object offers them."""
-        return DeepSpeedMonitorConfig(
-            tensorboard=self.tensorboard,
-            csv_monitor=self.csv_monitor,
-            wandb=self.wandb,
-            comet=self.comet,
-        )
+        blocks = DeepSpeedMonitorConfig.model_fields
+        return DeepSpeedMonitorConfig(**{name: getattr(self, name) for name in blocks})
 
     @property
     def fp16_enabled(self) -> bool:

@@ -728,8 +728,13 @@ class ZerolapEngine(torch.nn.Module):
         see_memory_usage("Engine before forward", force=self._config.memory_breakdown)
         if self._flops is not None:
             self._flops.before_forward(self.global_steps)
-        with self._autocast():
-            out = self.module(*inputs, **kwargs)
+        try:
+            with self._autocast():
+                out = self.module(*inputs, **kwargs)
+        except BaseException:
+            if self._flops is not None:
+                self._flops.abandon()  # the profiling hooks come off; this forward is not used
+            raise
         if self._flops is not None:
             self._flops.after_forward()
         see_memory_usage("Engine after forward", force=self._config.memory_breakdown)

@@ -72,7 +72,6 @@ class StepFlopsProfile:
     def before_forward(self, global_steps: int) -> None:
         """A forward of the engine begins. Only training forwards (gradients on) are timed or
         counted: an evaluation inside the step is neither a micro-batch nor its shape."""
-        self._stop()  # a forward that raised left its hooks on: that forward does not count
         if not torch.is_grad_enabled():
             return
         if self.stage is _Stage.WAITING and global_steps >= self.section.profile_step:
@@ -94,6 +93,10 @@ class StepFlopsProfile:
         elif self.stage is _Stage.COUNTING:
             self.stage = _Stage.DONE
             self._print()
+
+    def abandon(self) -> None:
+        """The forward raised: its hooks come off, and it is neither timed nor counted."""
+        self._stop()
 
     def record(self, phase: str, start: float, end: float, compute: bool = True) -> None:
         if self.stage is not _Stage.TIMING or phase == "forward":
