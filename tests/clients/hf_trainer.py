@@ -122,6 +122,8 @@ def main() -> None:
     parser.add_argument("--nvme", help="offload_optimizer to swap files in this folder")
     parser.add_argument("--sp", type=int, default=1, help="sequence parallelism (Ulysses)")
     parser.add_argument("--gas", type=int, default=2, help="gradient_accumulation_steps")
+    parser.add_argument("--lora", action="store_true", help="train PEFT LoRA adapters only")
+    parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume")
     parser.add_argument("--init-out", help="save the initial weights here (save_pretrained)")
@@ -143,6 +145,7 @@ def main() -> None:
         use_cpu=True,  # on a CPU-only host the Trainer counts the ranks only so
         dataloader_num_workers=0,
         seed=0,
+        gradient_checkpointing=args.gradient_checkpointing,
         deepspeed=ds_config(
             args.stage,
             optimizer=args.ds_optimizer,
@@ -173,6 +176,14 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(args.model, **attention)
     else:
         model = AutoModelForCausalLM.from_config(tiny_config(args.arch), **attention)
+    if args.lora:  # PEFT's adapters on the attention's projections; the base is frozen
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(
+            r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"], lora_dropout=0.0,
+            init_lora_weights="gaussian",  # lora_B starts nonzero, so every weight moves
+        )  # fmt: skip
+        model = get_peft_model(model, lora)
     first = next(model.parameters())
     sharded_at_build = first.numel() == 0 and getattr(first, "ds_numel", 0) > 0
     if args.init_out:
@@ -201,6 +212,9 @@ def main() -> None:
         "data_parallel": getattr(trainer.model_wrapped, "dp_world_size", None),
         "sequence_parallel": getattr(trainer.model_wrapped, "sequence_parallel_size", 1),
     }
+    if args.lora:  # the adapter as PEFT writes it (under stage 3, gathered from the shards)
+        trainer.save_model(os.path.join(args.out, "adapter"))
+        result["adapter"] = os.path.join(args.out, "adapter", "adapter_model.safetensors")
     if args.offload_apart:  # zerolap's engine (real DeepSpeed has no memory_breakdown)
         result["host_bytes"] = trainer.model_wrapped.memory_breakdown().host_bytes
     if args.nvme:

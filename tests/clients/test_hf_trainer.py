@@ -52,6 +52,10 @@ def runs(tmp_path_factory):
         "gpt2 plain": gpt2_model,
         "gpt2 stage 2": [*gpt2_model, "--stage", "2", "--ds-optimizer"],
         "gpt2 stage 3": [*gpt2_model, "--stage", "3"],
+        "gpt2 lora plain": [*gpt2_model, "--lora"],
+        "gpt2 lora stage 3, gradient checkpointing": [
+            *gpt2_model, "--lora", "--stage", "3", "--gradient-checkpointing"
+        ],
         "gpt2 stage 3 offload": [*gpt2_model, "--stage", "3", "--offload-apart"],
         "gpt2 stage 2 nvme": [*gpt2_model, "--stage", "2", "--nvme", str(root / "swap")],
         "gpt2 stage 3 resumed": [
@@ -125,6 +129,24 @@ def test_stage_3_from_pretrained_trains_as_plain_ddp(runs):
     assert zero3["sharded_at_build"]  # from_pretrained ran under zero.Init
     _close(zero3["losses"], plain["losses"], range(1, 5))
     _close(zero3["evals"], plain["evals"], (2, 4))
+
+
+def test_peft_lora_with_gradient_checkpointing_under_stage_3_trains_as_plain_ddp(runs):
+    """PEFT's LoRA adapters on a frozen GPT-2 under stage 3, with the Trainer's gradient
+    checkpointing (each block's forward run again in backward, its sharded weights gathered
+    again for it): the same losses, gradient norms and saved adapter as plain DDP training the
+    same adapters without checkpointing."""
+    pytest.importorskip("peft")
+    from safetensors.torch import load_file
+
+    lora, plain = runs("gpt2 lora stage 3, gradient checkpointing"), runs("gpt2 lora plain")
+    _close(lora["losses"], plain["losses"], range(1, 5))
+    _close(lora["grad_norms"], plain["grad_norms"], range(1, 5))
+    _close(lora["evals"], plain["evals"], (2, 4))
+    got, want = load_file(lora["adapter"]), load_file(plain["adapter"])
+    assert sorted(got) == sorted(want) and len(want) == 12  # A and B of 3 projections x 2 blocks
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=TOLERANCE)
 
 
 def test_stage_3_with_the_documented_offload_blocks_trains_as_plain_ddp(runs):
