@@ -61,6 +61,19 @@ def run(python: str, out: Path, args: list[str]) -> tuple[dict, float]:
     return json.loads(result.read_text()), time.perf_counter() - start
 
 
+def launch_two_ranks(python: str, script: Path, args: list[str], *, cwd: str, label: str) -> None:
+    """``script`` with ``args`` on 2 ranks of ``python`` (torchrun, one thread each, DeepSpeed
+    on its CPU accelerator, this repository importable); its output's tail on failure."""
+    command = [
+        python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        str(script), *args,
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=cwd)
+    if done.returncode != 0:
+        raise SystemExit(f"{label}:\n{(done.stdout + done.stderr)[-3000:]}")
+
+
 def _gap(a: dict, b: dict, steps) -> float:
     return max(abs(a[str(s)] - b[str(s)]) for s in steps)
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import argparse
 import csv
-import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.deepspeed_diff import launch_two_ranks
+
 STEPS, ACCUMULATION, MICRO = 4, 2, 4
 
 
@@ -85,18 +86,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for library, python in (("deepspeed", args.deepspeed_python), ("zerolap", sys.executable)):
             out = Path(tmp) / library
-            command = [
-                python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                str(Path(__file__).resolve()), "--deepspeed-python", python,
-                "--worker", library, str(out),
-            ]  # fmt: skip
-            env = {
-                **os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
-                "PYTHONPATH": str(ROOT),
-            }  # fmt: skip
-            done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=tmp)
-            if done.returncode != 0:
-                raise SystemExit(f"{library}:\n{(done.stdout + done.stderr)[-3000:]}")
+            launch_two_ranks(
+                python,
+                Path(__file__).resolve(),
+                ["--deepspeed-python", python, "--worker", library, str(out)],
+                cwd=tmp,
+                label=library,
+            )
             results[library] = _read(out / "job")
     print(f"2 ranks, ZeRO-2, {STEPS} steps of {ACCUMULATION} micro-batches of {MICRO}, WarmupLR\n")
     print(

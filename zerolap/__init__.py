@@ -1,9 +1,9 @@
 """zerolap: ZeRO-sharded data-parallel training for PyTorch, DeepSpeed-compatible.
 
-``import zerolap as deepspeed`` gives the names a DeepSpeed training script uses:
-``initialize``, ``init_distributed``, ``add_config_arguments``, ``comm``, ``zero``, ``utils``,
-``accelerator``, ``checkpointing``, ``ops``, ``pipe``, ``runtime``, ``checkpoint``, each
-reachable along DeepSpeed's module paths (``zerolap.aliases``).
+``import zerolap as deepspeed`` gives the names a DeepSpeed script uses: ``initialize``,
+``init_inference``, ``init_distributed``, ``add_config_arguments``, ``comm``, ``zero``,
+``utils``, ``accelerator``, ``checkpointing``, ``ops``, ``pipe``, ``runtime``, ``checkpoint``,
+``inference``, each reachable along DeepSpeed's module paths (``zerolap.aliases``).
 """
 
 import sys
@@ -14,6 +14,7 @@ from zerolap import (
     checkpoint,
     checkpointing,
     comm,
+    inference,
     ops,
     pipe,
     runtime,
@@ -23,6 +24,7 @@ from zerolap import (
 from zerolap.accelerator import get_accelerator
 from zerolap.comm import init_distributed
 from zerolap.config import ConfigError, add_config_arguments
+from zerolap.inference import DeepSpeedInferenceConfig, InferenceEngine, init_inference
 from zerolap.pipe import PipelineEngine, PipelineModule
 from zerolap.runtime.engine import DeepSpeedEngine, ZerolapEngine
 from zerolap.runtime.initialize import initialize, tp_model_init
@@ -35,6 +37,8 @@ DeepSpeedConfigError = ConfigError  # DeepSpeed's name for a rejected ds_config
 __all__ = [
     "DeepSpeedConfigError",
     "DeepSpeedEngine",
+    "DeepSpeedInferenceConfig",
+    "InferenceEngine",
     "PipelineEngine",
     "PipelineModule",
     "RepeatingLoader",
@@ -46,7 +50,9 @@ __all__ = [
     "checkpointing",
     "comm",
     "get_accelerator",
+    "inference",
     "init_distributed",
+    "init_inference",
     "initialize",
     "log_dist",
     "logger",

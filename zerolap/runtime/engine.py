@@ -754,7 +754,7 @@ class ZerolapEngine(torch.nn.Module):
     def _check_inputs_once(self, inputs: tuple, kwargs: dict) -> None:
         """At the first forward, that the tensor group's ranks were fed the same batch."""
         if not self._inputs_checked:
-            check_same_inputs(self.mesh, inputs, kwargs)
+            check_same_inputs(self.mesh.tensor_group, inputs, kwargs)
             self._inputs_checked = True
 
     def _entry_factor(self) -> float:

@@ -43,26 +43,25 @@ def fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(rows) if rows else torch.zeros(1, dtype=torch.float64)
 
 
-def check_same_inputs(mesh, inputs: tuple, kwargs: dict) -> None:
-    """Raise naming the tensor-parallel ranks whose inputs differ from their group's first
+def check_same_inputs(group, inputs: tuple, kwargs: dict) -> None:
+    """Raise naming the ranks of the tensor group ``group`` whose inputs differ from its first
     rank's. Called once, by every rank of the group."""
     leaves, _ = tree_flatten((inputs, kwargs))
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    group = mesh.tensor_group
     mine = fingerprint(tensors).to(dist.buffer_device(group))
     size = torch.tensor([mine.numel()], dtype=torch.float64, device=mine.device)
     sizes = dist.all_gather(size, group=group)
     if any(int(s.item()) != mine.numel() for s in sizes):
         counts = [int(s.item()) for s in sizes]
-        raise ValueError(_message(mesh, "a different number or kind of input tensors", counts))
+        raise ValueError(_message(group, "a different number or kind of input tensors", counts))
     prints = dist.all_gather(mine, group=group)
     differ = [t for t, p in enumerate(prints) if not torch.equal(p, prints[0])]
     if differ:
-        raise ValueError(_message(mesh, "different input batches", differ))
+        raise ValueError(_message(group, "different input batches", differ))
 
 
-def _message(mesh, what: str, detail) -> str:
-    ranks = dist.get_all_ranks_from_group(mesh.tensor_group)
+def _message(group, what: str, detail) -> str:
+    ranks = dist.get_all_ranks_from_group(group)
     return (
         f"tensor parallelism: the ranks of tensor group {ranks} got {what} at the first "
         f"forward ({detail}); the T ranks of a tensor group compute one model copy and must be "
