@@ -152,7 +152,10 @@ def test_config_file_and_keyword_arguments_merge(tmp_path):
         ({"dtype": torch.int8}, "dtype: int8 weights need DeepSpeed's quantiser"),
         ({"checkpoint": "ckpt.json"}, "checkpoint: got 'ckpt.json'"),
         ({"enable_cuda_graph": True}, "enable_cuda_graph: got True"),
-        ({"injection_policy": {"Block": ("attn.c_proj",)}}, "injection_policy: got"),
+        (
+            {"injection_policy": {"Block": ("attn.c_proj",)}, "mp_size": 2},
+            "injection_policy: zerolap splits by its own plans",
+        ),
         ({"mp_size": 2, "tp": {"tp_size": 4}}, "mp_size, tp.tp_size: two values"),
         ({"tensor_paralel": {"tp_size": 2}}, "did you mean tensor_parallel"),
         ({"dtype": "fp64"}, "dtype: got 'fp64'; valid: fp32"),
@@ -166,9 +169,19 @@ def test_what_zerolap_cannot_do_is_named(given, named):
 
 
 def test_kernel_tuning_keys_are_named_in_a_warning(caplog):
+    """So is an injection policy with one rank per copy (the T5 examples pass one with
+    ``mp_size=1``): nothing is split, so it says nothing."""
     with caplog.at_level("WARNING", logger="zerolap"):
-        zerolap.init_inference(torch.nn.Linear(2, 2), min_tokens=8, triangular_masking=False)
+        engine = zerolap.init_inference(
+            torch.nn.Linear(2, 2),
+            min_tokens=8,
+            triangular_masking=False,
+            mp_size=1,
+            injection_policy={torch.nn.Linear: ("out",)},
+        )
     assert "have no effect: triangular_masking, min_out_tokens" in caplog.text
+    assert "injection_policy: no effect: nothing is split" in caplog.text
+    assert engine.mp_group is None
 
 
 def test_meta_model_is_refused_by_name():

@@ -52,6 +52,11 @@ _KERNELS = (
     "DeepSpeed's fused inference kernels; leave it false: tensor_parallel.tp_size > 1 splits "
     "the model's own layers (AutoTP)"
 )
+_POLICY = (
+    "zerolap splits by its own plans (Hugging Face GPT-2, Llama, Mistral, Qwen2/3, zerolap's "
+    "GPT), not by injection policies; for another model call "
+    "zerolap.tensor_parallel.parallelize(model, group, plan={name regex: 'colwise' | 'rowwise'})"
+)
 _LOADING = (
     "DeepSpeed loads sharded checkpoints into a model built on the meta device; load the weights "
     "into the model before init_inference"
@@ -144,20 +149,14 @@ class DeepSpeedInferenceConfig(ConfigSection):
     """The tensor-parallel size a loaded checkpoint was trained at."""
     replace_method: Annotated[str, DeepSpeedOnly()] = "auto"
     """Deprecated in DeepSpeed; no longer read there either."""
-    injection_policy: Annotated[
-        dict | None,
-        Field(validation_alias=AliasChoices("injection_policy", "injection_dict")),
-        DeepSpeedOnly(
-            is_set,
-            "zerolap splits by its own plans (Hugging Face GPT-2, Llama, Mistral, Qwen2/3, "
-            "zerolap's GPT); for another model call zerolap.tensor_parallel.parallelize(model, "
-            "group, plan={name regex: 'colwise' | 'rowwise'})",
-        ),
-    ] = None
-    """Which layers of a module class end in an all-reduce (DeepSpeed's manual AutoTP)."""
-    injection_policy_tuple: Annotated[
-        tuple | None, DeepSpeedOnly(is_set, "see injection_policy")
-    ] = None
+    injection_policy: dict | None = Field(
+        None, validation_alias=AliasChoices("injection_policy", "injection_dict")
+    )
+    """Which layers of a module class end in an all-reduce once split (DeepSpeed's manual
+    AutoTP). zerolap splits by its own plans, so with ``tp_size`` > 1 this is an error; with
+    one rank per copy nothing is split and it has no effect (named in a warning)."""
+    injection_policy_tuple: tuple | None = None
+    """DeepSpeed's internal form of ``injection_policy``, treated alike."""
     config: Annotated[
         dict[str, Any] | None,
         Field(validation_alias=AliasChoices("config", "args")),
@@ -211,12 +210,29 @@ class DeepSpeedInferenceConfig(ConfigSection):
         data[key] = section
         return data
 
+    def _policy_keys(self) -> tuple[str, ...]:
+        return tuple(
+            self.config_key(name)
+            for name in ("injection_policy", "injection_policy_tuple")
+            if getattr(self, name) is not None
+        )
+
     def _check(self, context: Mapping[str, Any]) -> list[Problem]:
+        problems = []
         if self.dtype == torch.int8:
+            problems.append(
+                Problem(("dtype",), "int8 weights need DeepSpeed's quantiser, which zerolap lacks")
+            )
+        if self._policy_keys() and self.tensor_parallel.split:
+            problems.append(Problem(self._policy_keys(), _POLICY))
+        return problems
+
+    def _advise(self) -> list[Problem]:
+        if self._policy_keys() and not self.tensor_parallel.split:
             return [
                 Problem(
-                    ("dtype",),
-                    "int8 weights need DeepSpeed's quantiser, which zerolap does not have",
+                    self._policy_keys(),
+                    "no effect: nothing is split without tensor_parallel.tp_size > 1",
                 )
             ]
         return []

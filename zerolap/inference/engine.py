@@ -71,12 +71,15 @@ class InferenceEngine(nn.Module):
         self._is_compiled = False
         if hasattr(model, "generate"):
             self.generate = self._generate
-        unread = config.unsupported_keys()
-        if unread and _rank() == 0:
-            logger.warning(
-                "init_inference: these keys tune DeepSpeed's fused kernels, which zerolap does "
-                f"not have, and have no effect: {', '.join(unread)}"
-            )
+        if _rank() == 0:
+            unread = config.unsupported_keys()
+            if unread:
+                logger.warning(
+                    "init_inference: these keys tune DeepSpeed's fused kernels, which zerolap "
+                    f"does not have, and have no effect: {', '.join(unread)}"
+                )
+            for note in config.advice():
+                logger.warning(f"init_inference: {note}")
 
     # -- tensor parallelism -------------------------------------------------------------------
 
