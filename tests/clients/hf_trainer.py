@@ -215,6 +215,7 @@ def main() -> None:
     if args.lora:  # the adapter as PEFT writes it (under stage 3, gathered from the shards)
         trainer.save_model(os.path.join(args.out, "adapter"))
         result["adapter"] = os.path.join(args.out, "adapter", "adapter_model.safetensors")
+        result["checkpointing"] = trainer.model.base_model.model.is_gradient_checkpointing
     if args.offload_apart:  # zerolap's engine (real DeepSpeed has no memory_breakdown)
         result["host_bytes"] = trainer.model_wrapped.memory_breakdown().host_bytes
     if args.nvme:

@@ -140,6 +140,7 @@ def test_peft_lora_with_gradient_checkpointing_under_stage_3_trains_as_plain_ddp
     from safetensors.torch import load_file
 
     lora, plain = runs("gpt2 lora stage 3, gradient checkpointing"), runs("gpt2 lora plain")
+    assert lora["checkpointing"] and not plain["checkpointing"]
     _close(lora["losses"], plain["losses"], range(1, 5))
     _close(lora["grad_norms"], plain["grad_norms"], range(1, 5))
     _close(lora["evals"], plain["evals"], (2, 4))

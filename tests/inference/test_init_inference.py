@@ -102,13 +102,57 @@ def test_transformers_pipeline_runs_the_split_model(ranks):
 def check_split_errors() -> None:
     import zerolap.comm as dist
 
+    rank = dist.get_rank()
+    model = _hf("gpt2")
     with pytest.raises(ValueError, match="tp_size=3 does not divide the world size 2"):
-        zerolap.init_inference(_hf("gpt2"), tensor_parallel={"tp_size": 3})
-    with pytest.raises(ValueError, match="no plan for a Sequential"):
+        zerolap.init_inference(model, tensor_parallel={"tp_size": 3})
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # refused untouched
+    with pytest.raises(ValueError, match="init_inference: tensor parallelism: no plan for a "):
         zerolap.init_inference(torch.nn.Sequential(torch.nn.Linear(4, 4)), mp_size=2)
+    engine = zerolap.init_inference(model, mp_size=2, dtype=torch.float32)
+    with pytest.raises(ValueError, match="already split over a tensor group; pass that group"):
+        zerolap.init_inference(model, mp_size=2)
+    with pytest.raises(ValueError, match=r"tensor group \[0, 1\] got different inputs at the "):
+        engine(_ids() + rank)
+    # Settings count too, and are compared before the length limit: one rank over it must not
+    # leave the other waiting.
+    engine = zerolap.init_inference(_hf("gpt2"), mp_size=2, dtype=torch.float32, max_tokens=7)
+    with pytest.raises(ValueError, match="different inputs at the first generate"):
+        engine.generate(input_ids=_ids(length=6 + 2 * rank), max_new_tokens=2)
     engine = zerolap.init_inference(_hf("gpt2"), mp_size=2, dtype=torch.float32)
-    with pytest.raises(ValueError, match=r"tensor group \[0, 1\] got different input batches"):
-        engine(_ids() + dist.get_rank())
+    with pytest.raises(ValueError, match="the same generate settings"):
+        engine.generate(input_ids=_ids(), max_new_tokens=2 + rank)
+
+
+def check_model_split_beforehand() -> list:
+    """A layout without a plan: split by ``parallelize`` with a plan of one's own, then given
+    to init_inference with its group, which shares the random state and checks inputs."""
+    import zerolap.comm as dist
+    from zerolap.tensor_parallel import parallelize
+
+    model = _hf("llama")
+    dense = copy.deepcopy(model)
+    group = dist.new_group([0, 1])
+    plan = {
+        r".*self_attn\.(q|k|v)_proj": "colwise",
+        r".*self_attn\.o_proj": "rowwise",
+        r".*mlp\.(gate|up)_proj": "colwise",
+        r".*mlp\.down_proj": "rowwise",
+    }
+    parallelize(model, group, plan)
+    torch.manual_seed(dist.get_rank())
+    engine = zerolap.init_inference(model, tensor_parallel={"tp_group": group}, dtype="fp32")
+    assert engine.mp_group is group
+    with torch.no_grad():
+        torch.testing.assert_close(engine(_ids()).logits, dense(_ids()).logits)
+        sampled = engine.generate(input_ids=_ids(), max_new_tokens=6, do_sample=True, top_k=0)
+    return sampled.tolist()
+
+
+def test_a_model_split_beforehand_is_adopted_with_its_group(ranks):
+    pytest.importorskip("transformers")
+    sampled = ranks(2).run(check_model_split_beforehand)
+    assert sampled[0] == sampled[1]  # one random state over the group
 
 
 def test_split_errors_are_named_on_every_rank(ranks):
@@ -123,15 +167,16 @@ def test_dtype_placement_and_length_on_one_process():
     assert engine.mp_group is None
     assert engine.config is engine.module.config
     assert engine(_ids()).logits.dtype == torch.float16
-    engine = zerolap.init_inference(_hf("llama"), config={"dtype": "bf16", "max_tokens": 4})
+    engine = zerolap.init_inference(_hf("llama"), config={"dtype": "bfloat", "max_tokens": 4})
     assert {p.dtype for p in engine.module.parameters()} == {torch.bfloat16}
     with pytest.raises(RuntimeError, match="6 tokens exceeds max_out_tokens=4"):
         engine.generate(input_ids=_ids(), max_new_tokens=2)
     engine.profile_model_time()
     engine(_ids(length=3))
-    engine(_ids(length=3))
-    times = engine.model_times()
-    assert len(times) == 2 and all(t > 0 for t in times) and engine.model_times() == []
+    engine.module(_ids(length=3))
+    engine.generate(input_ids=_ids(length=3), max_new_tokens=3, min_new_tokens=3)
+    times = engine.model_times()  # each generate step is a forward of the model, as in DeepSpeed
+    assert len(times) == 5 and all(t > 0 for t in times) and engine.model_times() == []
 
 
 def test_config_file_and_keyword_arguments_merge(tmp_path):
@@ -178,10 +223,24 @@ def test_kernel_tuning_keys_are_named_in_a_warning(caplog):
             triangular_masking=False,
             mp_size=1,
             injection_policy={torch.nn.Linear: ("out",)},
+            moe=False,
         )
-    assert "have no effect: triangular_masking, min_out_tokens" in caplog.text
+    assert "have no effect: triangular_masking, min_out_tokens\n" in caplog.text
     assert "injection_policy: no effect: nothing is split" in caplog.text
     assert engine.mp_group is None
+
+
+def test_a_tensor_parallel_config_object_meets_mp_size():
+    from zerolap.config.inference import DeepSpeedTPConfig
+
+    with pytest.raises(ConfigError, match=r"mp_size, tensor_parallel\.tp_size: two values"):
+        zerolap.init_inference(
+            torch.nn.Linear(2, 2), mp_size=2, tensor_parallel=DeepSpeedTPConfig(tp_size=4)
+        )
+    engine = zerolap.init_inference(
+        torch.nn.Linear(2, 2), mp_size=1, tensor_parallel=DeepSpeedTPConfig(tp_size=1)
+    )
+    assert engine._config.tensor_parallel.tp_size == 1
 
 
 def test_meta_model_is_refused_by_name():

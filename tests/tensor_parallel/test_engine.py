@@ -111,7 +111,7 @@ def feed_different_batches() -> str:
 def test_tensor_ranks_fed_different_batches_is_named(ranks):
     messages = ranks(2).run(feed_different_batches)
     for message in messages:
-        assert "tensor group [0, 1]" in message and "different input batches" in message
+        assert "tensor group [0, 1]" in message and "different inputs" in message
 
 
 def inf_on_one_tensor_rank() -> tuple[bool, float, bool]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import torch
-from pydantic import AliasChoices, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AliasChoices, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from zerolap.config.errors import ConfigError, Problem, format_validation_error, problems_error
 from zerolap.config.section import ConfigSection, DeepSpeedOnly, enabled, is_set, is_true
@@ -31,7 +31,7 @@ __all__ = ["DeepSpeedInferenceConfig", "DeepSpeedTPConfig", "parse_inference_con
 _DTYPES = {
     "fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
     "fp16": torch.float16, "float16": torch.float16, "half": torch.float16,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "bfloat": torch.bfloat16,
     "int8": torch.int8,
 }  # fmt: skip
 """DeepSpeed's dtype spellings (``DtypeEnum``), lower case."""
@@ -120,8 +120,9 @@ class DeepSpeedInferenceConfig(ConfigSection):
         DeepSpeedOnly(),
     ] = True
     """The kernels' causal mask."""
-    moe: Annotated[bool | dict[str, Any] | None, DeepSpeedOnly()] = None
-    """The kernels' mixture-of-experts layers."""
+    moe: Annotated[bool | dict[str, Any], DeepSpeedOnly()] = False
+    """The kernels' mixture-of-experts groups (False, or a block without ``enabled: true``,
+    is off)."""
     keep_module_on_host: bool = False
     """Leave the model where it is instead of moving it to the accelerator."""
     quant: Annotated[
@@ -196,6 +197,8 @@ class DeepSpeedInferenceConfig(ConfigSection):
             return data
         key = "tp" if "tp" in data else "tensor_parallel"
         section = data.get(key) or {}
+        if isinstance(section, BaseModel):  # a DeepSpeedTPConfig: the keys it was given
+            section = {name: getattr(section, name) for name in section.model_fields_set}
         if not isinstance(section, Mapping):
             return data  # pydantic names the wrong type
         section = dict(section)

@@ -23,6 +23,7 @@ import zerolap.comm as dist
 from zerolap.accelerator import get_accelerator
 from zerolap.config.inference import DeepSpeedInferenceConfig, parse_inference_config
 from zerolap.runtime.inputs import check_same_inputs
+from zerolap.tensor_parallel.layers import is_tensor_parallel
 from zerolap.tensor_parallel.plan import auto_plan, parallelize
 from zerolap.topology import build_mesh
 from zerolap.utils import logger
@@ -61,13 +62,16 @@ class InferenceEngine(nn.Module):
                 "a model from its checkpoint= files, which zerolap does not read: load the "
                 "weights first"
             )
-        model.to(config.dtype)  # floating-point parameters and buffers, as model.half() does
         self.mpu = config.tensor_parallel.mpu
+        # Split before converting: a split that cannot be made leaves the model as it was
+        # (slicing and converting commute, so the result is DeepSpeed's convert-then-split).
         self.mp_group = self._split(model) if config.tensor_parallel.split else None
+        model.to(config.dtype)  # floating-point parameters and buffers, as model.half() does
         if not config.keep_module_on_host:
             model.to(accelerator.current_device_name())
         self._inputs_checked = self.mp_group is None
-        self._model_times: list[float] | None = None  # ms per forward, when profiling
+        self._model_times: list[float] | None = None  # ms per model forward, when profiling
+        self._began = 0.0
         self._is_compiled = False
         if hasattr(model, "generate"):
             self.generate = self._generate
@@ -75,8 +79,9 @@ class InferenceEngine(nn.Module):
             unread = config.unsupported_keys()
             if unread:
                 logger.warning(
-                    "init_inference: these keys tune DeepSpeed's fused kernels, which zerolap "
-                    f"does not have, and have no effect: {', '.join(unread)}"
+                    "init_inference: these keys belong to DeepSpeed's fused kernels and its "
+                    "other inference machinery, which zerolap does not have, and have no "
+                    f"effect: {', '.join(unread)}"
                 )
             for note in config.advice():
                 logger.warning(f"init_inference: {note}")
@@ -84,7 +89,9 @@ class InferenceEngine(nn.Module):
     # -- tensor parallelism -------------------------------------------------------------------
 
     def _split(self, model: nn.Module):
-        """The tensor group, with ``model`` split over it (None when it has one rank)."""
+        """The tensor group, with ``model`` split over it (None when it has one rank). A model
+        already split (by ``zerolap.tensor_parallel.parallelize``, for a layout zerolap has no
+        plan for) is adopted as it is, with the group it was split over."""
         tp = self._config.tensor_parallel
         if not dist.is_initialized():
             dist.init_distributed()
@@ -99,6 +106,24 @@ class InferenceEngine(nn.Module):
                     f"init_inference: tensor_parallel.tp_size={tp.tp_size} does not divide the "
                     f"world size {world}"
                 )
+            group = None
+        split = any(is_tensor_parallel(p) for p in model.parameters())
+        if split and group is None:
+            raise ValueError(
+                "init_inference: the model is already split over a tensor group; pass that "
+                "group as tensor_parallel.tp_group"
+            )
+        plan = None
+        if not split:  # decided before any group is made: a model without a plan is refused
+            try:
+                plan = auto_plan(model)
+            except ValueError as err:
+                raise ValueError(
+                    f"init_inference: {err.args[0].split(';')[0]}; split it with "
+                    "zerolap.tensor_parallel.parallelize(model, group, plan={name regex: "
+                    "'colwise' | 'rowwise'}) and pass the group as tensor_parallel.tp_group"
+                ) from None
+        if group is None:
             group = build_mesh(tp.tp_size).tensor_group
         size = dist.get_world_size(group)
         if tp.tp_size > 1 and size != tp.tp_size:
@@ -108,36 +133,37 @@ class InferenceEngine(nn.Module):
             )
         if size == 1:
             return None
-        plan = auto_plan(model)
-        parallelize(model, group, plan)
+        if plan is not None:
+            parallelize(model, group, plan)
         _share_rng(group)
         if _rank() == 0:
-            logger.info(f"init_inference: split over {size} ranks by the {plan.name} plan")
+            how = f"split by the {plan.name} plan" if plan else "split before init_inference"
+            logger.info(f"init_inference: the model runs over {size} ranks, {how}")
         return group
 
-    def _check_inputs(self, inputs: tuple, kwargs: dict) -> None:
+    def _check_inputs(self, inputs: tuple, kwargs: dict, call: str) -> None:
         if not self._inputs_checked:
-            check_same_inputs(self.mp_group, inputs, kwargs)
+            check_same_inputs(
+                self.mp_group,
+                inputs,
+                kwargs,
+                call=call,
+                advice="give every rank of the group the same inputs and the same generate "
+                "settings",
+            )
             self._inputs_checked = True
 
     # -- running ------------------------------------------------------------------------------
 
     def forward(self, *inputs, **kwargs):
-        self._check_inputs(inputs, kwargs)
-        if self._model_times is None:
-            return self.module(*inputs, **kwargs)
-        accelerator = get_accelerator()
-        accelerator.synchronize()
-        began = time.perf_counter()
-        outputs = self.module(*inputs, **kwargs)
-        accelerator.synchronize()
-        self._model_times.append((time.perf_counter() - began) * 1e3)
-        return outputs
+        self._check_inputs(inputs, kwargs, "forward")
+        return self.module(*inputs, **kwargs)
 
     def _generate(self, *inputs, **kwargs):
         """The model's own ``generate`` (greedy, sampling and beam search alike: the split
         layers compute the dense model's logits on every rank of the group). An input longer
         than ``max_out_tokens`` is refused, as DeepSpeed does."""
+        self._check_inputs(inputs, kwargs, "generate")  # first: every rank then agrees below
         ids = kwargs.get("input_ids", inputs[0] if inputs else None)
         limit = self._config.max_out_tokens
         if isinstance(ids, torch.Tensor) and ids.dim() == 2 and ids.shape[-1] > limit:
@@ -145,18 +171,28 @@ class InferenceEngine(nn.Module):
                 f"init_inference: an input of {ids.shape[-1]} tokens exceeds max_out_tokens="
                 f"{limit}; raise max_tokens in the inference config"
             )
-        self._check_inputs(inputs, kwargs)
         return self.module.generate(*inputs, **kwargs)
 
     # -- DeepSpeed's other methods ------------------------------------------------------------
 
     def profile_model_time(self, use_cuda_events: bool = True) -> None:
-        """Record the time of every forward through the engine from now on, in ms, the
-        accelerator synchronised around it (``use_cuda_events`` is DeepSpeed's choice of timer;
-        both time the same span)."""
+        """Record the time of every forward of the model from now on, in ms, the accelerator
+        synchronised around it: each step of ``generate`` too, and calls of ``engine.module``
+        (hooks on the model, as in DeepSpeed; ``use_cuda_events`` is DeepSpeed's choice of
+        timer, and both time the same span)."""
         del use_cuda_events
         if self._model_times is None:
             self._model_times = []
+            self.module.register_forward_pre_hook(self._start_timing)
+            self.module.register_forward_hook(self._stop_timing)
+
+    def _start_timing(self, module, inputs) -> None:
+        get_accelerator().synchronize()
+        self._began = time.perf_counter()
+
+    def _stop_timing(self, module, inputs, output) -> None:
+        get_accelerator().synchronize()
+        self._model_times.append((time.perf_counter() - self._began) * 1e3)
 
     def model_times(self) -> list[float]:
         """The forward times recorded since the last call (ms), and a fresh record."""

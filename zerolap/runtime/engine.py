@@ -132,6 +132,12 @@ def _through_entry(engine, out):
     return tree_unflatten(leaves, spec)
 
 
+_SHARD_BY_DATA_RANK = (
+    "shard the data over the data-parallel ranks (engine.mpu.get_data_parallel_rank() / "
+    "get_data_parallel_world_size())"
+)
+
+
 class ZerolapEngine(torch.nn.Module):
     def __init__(
         self,
@@ -754,7 +760,7 @@ class ZerolapEngine(torch.nn.Module):
     def _check_inputs_once(self, inputs: tuple, kwargs: dict) -> None:
         """At the first forward, that the tensor group's ranks were fed the same batch."""
         if not self._inputs_checked:
-            check_same_inputs(self.mesh.tensor_group, inputs, kwargs)
+            check_same_inputs(self.mesh.tensor_group, inputs, kwargs, advice=_SHARD_BY_DATA_RANK)
             self._inputs_checked = True
 
     def _entry_factor(self) -> float:

@@ -1,10 +1,12 @@
-"""The first-step check that every rank of a tensor group got the same batch.
+"""The first-call check that every rank of a tensor group got the same inputs.
 
 Tensor-parallel ranks compute one model copy together, so they must be fed the same inputs; a
 data loader sharded over every rank instead of over the data-parallel ranks trains on garbage
-without any error. At the first forward each rank reduces its inputs to a small fingerprint
-(per tensor: shape, dtype, and two position-weighted sums in float64) and the tensor group
-all-gathers them: one tiny collective, once, instead of pickling the batch.
+without any error, and ``generate`` arguments that differ (``max_new_tokens``, ``do_sample``)
+leave one rank waiting in an all-reduce the others never start. At the first call each rank
+reduces its inputs to a small fingerprint (per tensor: shape, dtype, and two position-weighted
+sums in float64; per plain setting, a checksum of its value) and the tensor group all-gathers
+them: two tiny collectives, once, instead of pickling the batch.
 """
 
 from __future__ import annotations
@@ -43,28 +45,50 @@ def fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(rows) if rows else torch.zeros(1, dtype=torch.float64)
 
 
-def check_same_inputs(group, inputs: tuple, kwargs: dict) -> None:
-    """Raise naming the ranks of the tensor group ``group`` whose inputs differ from its first
-    rank's. Called once, by every rank of the group."""
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _settings(leaves: list) -> torch.Tensor:
+    """A checksum per plain value among ``leaves`` (numbers, flags, strings; an object's
+    ``to_dict()``, as a ``GenerationConfig`` has, counts by its plain values). Other objects
+    are left out: their text may hold a memory address, which differs from rank to rank."""
+    values = []
+    for leaf in leaves:
+        if isinstance(leaf, _PLAIN):
+            values.append(leaf)
+        elif callable(getattr(leaf, "to_dict", None)):
+            inner, _ = tree_flatten(leaf.to_dict())
+            values += [value for value in inner if isinstance(value, _PLAIN)]
+    return torch.tensor(
+        [float(zlib.crc32(repr(value).encode())) for value in values], dtype=torch.float64
+    )
+
+
+def check_same_inputs(
+    group, inputs: tuple, kwargs: dict, *, call: str = "forward", advice: str
+) -> None:
+    """Raise naming the ranks of the tensor group ``group`` whose inputs (tensors and plain
+    settings) differ from its first rank's, at the first ``call``; ``advice`` says what to do
+    about it. Called once, by every rank of the group."""
     leaves, _ = tree_flatten((inputs, kwargs))
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    mine = fingerprint(tensors).to(dist.buffer_device(group))
+    mine = torch.cat([fingerprint(tensors), _settings(leaves)]).to(dist.buffer_device(group))
     size = torch.tensor([mine.numel()], dtype=torch.float64, device=mine.device)
     sizes = dist.all_gather(size, group=group)
     if any(int(s.item()) != mine.numel() for s in sizes):
         counts = [int(s.item()) for s in sizes]
-        raise ValueError(_message(group, "a different number or kind of input tensors", counts))
+        what = "a different number or kind of inputs"
+        raise ValueError(_message(group, what, counts, call, advice))
     prints = dist.all_gather(mine, group=group)
     differ = [t for t, p in enumerate(prints) if not torch.equal(p, prints[0])]
     if differ:
-        raise ValueError(_message(group, "different input batches", differ))
+        raise ValueError(_message(group, "different inputs", differ, call, advice))
 
 
-def _message(group, what: str, detail) -> str:
+def _message(group, what: str, detail, call: str, advice: str) -> str:
     ranks = dist.get_all_ranks_from_group(group)
     return (
         f"tensor parallelism: the ranks of tensor group {ranks} got {what} at the first "
-        f"forward ({detail}); the T ranks of a tensor group compute one model copy and must be "
-        "fed the same batch: shard the data over the data-parallel ranks "
-        "(engine.mpu.get_data_parallel_rank() / get_data_parallel_world_size())"
+        f"{call} ({detail}); the ranks of a tensor group compute one model copy and must be "
+        f"given the same inputs: {advice}"
     )
