@@ -145,8 +145,9 @@ class TensorParallelConfig(ConfigSection):
     """Which layers split how; without it, the plan of ``preset_model`` or the one zerolap
     finds for the model (its demo GPT, Hugging Face GPT-2, Llama-style decoders)."""
     preset_model: str | None = None
-    """A named plan: ``gpt`` (zerolap's demo), ``gpt2``, ``llama``, ``mistral``, ``qwen2``,
-    ``qwen3``."""
+    """A named plan: ``gpt`` (zerolap's demo), ``gpt2``, or a Llama-style Hugging Face
+    ``model_type`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``,
+    ``gemma3_text`` and the others ``tensor_parallel.plan`` lists)."""
     inner: InnerTPConfig = Field(
         default_factory=InnerTPConfig, validation_alias=AliasChoices("tp", "tensor_parallel")
     )

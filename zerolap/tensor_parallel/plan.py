@@ -9,23 +9,32 @@ A *plan* maps module names to styles, first matching rule wins:
 * ``"vocab"``: an ``nn.Embedding`` becomes ``VocabParallelEmbedding``, an ``nn.Linear`` LM head a
   column-parallel layer over the vocabulary (keeping its tie to the embedding), and an
   ``nn.CrossEntropyLoss`` a ``VocabParallelCrossEntropy``, so logits are never gathered;
+* ``"split_input"``: a module applied to a split activation, piece by piece (the per-head
+  query/key norms of Qwen3 or Gemma 3 after a column-parallel projection, Apertus's learned
+  activation between the MLP's projections): it stays whole on every rank, and since each
+  rank's gradient for its weights comes from its own piece only, those gradients are summed
+  over the tensor group in backward (a module without weights needs nothing);
 * ``"skip"``: left replicated.
 
 A plan is given as ``{regex: style}`` (``re.fullmatch`` on the module's qualified name), as a
 list of ``Rule``, or found for the layouts zerolap knows (``auto_plan``): its own demo GPT, Hugging
-Face GPT-2, and Llama-style decoders (Llama, Mistral, Qwen2/3). Attention modules whose head
+Face GPT-2, and Llama-style decoders (``_LLAMA_STYLE``: Llama, Mistral, Qwen2/3, Gemma 1-3 and
+fifteen more ``model_type``s). Attention modules whose head
 counts are attributes get them divided by T; a head count T does not divide is a named error,
 since a split that cuts through a head computes something else silently.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 import zerolap.comm as dist
+from zerolap.tensor_parallel import lanes
 from zerolap.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 from zerolap.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -33,6 +42,7 @@ from zerolap.tensor_parallel.layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from zerolap.tensor_parallel.mappings import BACKWARD, all_reduce_now
 from zerolap.tensor_parallel.overlap import Overlap, split_blocks
 
 __all__ = [
@@ -45,7 +55,7 @@ __all__ = [
     "preset_plan",
 ]
 
-STYLES = ("colwise", "rowwise", "vocab", "skip")
+STYLES = ("colwise", "rowwise", "vocab", "split_input", "skip")
 
 
 @dataclass(frozen=True)
@@ -137,21 +147,30 @@ def _llama_plan() -> TPPlan:
         rules=(
             Rule(r".*\.self_attn\.(q|k|v)_proj", "colwise"),
             Rule(r".*\.self_attn\.o_proj", "rowwise"),
+            Rule(r".*\.self_attn\.(q_norm|k_norm|query_layernorm|key_layernorm)", "split_input"),
             Rule(r".*\.mlp\.(gate|up)_proj", "colwise"),
             Rule(r".*\.mlp\.down_proj", "rowwise"),
+            Rule(r".*\.mlp\.act_fn", "split_input"),
         ),
         heads=("num_attention_heads", "num_key_value_heads"),
         name="Llama-style decoder",
     )
 
 
+_LLAMA_STYLE = (
+    "apertus", "arcee", "cohere", "ernie4_5", "exaone4", "gemma", "gemma2", "gemma3_text",
+    "granite", "helium", "hunyuan_v1_dense", "llama", "ministral", "mistral", "nemotron", "olmo",
+    "qwen2", "qwen3", "seed_oss", "smollm3",
+)  # fmt: skip
+"""Hugging Face ``model_type``s whose decoder layers have Llama's projections (q/k/v/o, and
+gate/up/down or up/down), each checked on 2 ranks against the dense model
+(``tests/tensor_parallel/test_plan.py``). Not here: models whose query/key norms span every
+head (OLMo 2 and 3), fused projections (Phi-3, GLM) and experts (Mixtral, Qwen-MoE)."""
+
 _PRESETS = {
     "gpt": _gpt_plan,
     "gpt2": _gpt2_plan,
-    "llama": _llama_plan,
-    "mistral": _llama_plan,
-    "qwen2": _llama_plan,
-    "qwen3": _llama_plan,
+    **{model_type: _llama_plan for model_type in _LLAMA_STYLE},
 }
 
 
@@ -294,7 +313,8 @@ def parallelize(
         except ValueError as error:
             raise ValueError(f"{error} (layer {name}, a {type(module).__name__})") from error
     for name, replacement in replacements:
-        _replace(model, name, replacement)
+        if replacement is not model.get_submodule(name):
+            _replace(model, name, replacement)
     _divide(model, plan, count, apply=True)
     if overlap is Overlap.FULL:
         split_blocks(model)
@@ -330,6 +350,12 @@ def _convert(name, module, rule: Rule, group, split, overlap) -> nn.Module:
             module, group=group, overlap_backward=overlap, weight=split.get(id(module.weight))
         )
         split[id(module.weight)] = layer.weight
+    elif rule.style == "split_input":
+        for param in module.parameters():
+            if not getattr(param, "tp_summed_grad", False):  # once, however often it is split
+                param.register_hook(functools.partial(_sum_over, group=group))
+                param.tp_summed_grad = True
+        layer = module
     elif rule.style == "vocab" and isinstance(module, nn.CrossEntropyLoss):
         if module.weight is not None or module.label_smoothing or module.reduction != "mean":
             raise ValueError(
@@ -341,9 +367,19 @@ def _convert(name, module, rule: Rule, group, split, overlap) -> nn.Module:
         raise ValueError(
             f"tensor parallelism: the plan says {rule.style!r} for {name}, a {kind}; "
             "colwise/rowwise take nn.Linear or Conv1D, vocab takes nn.Embedding, an "
-            "nn.Linear LM head or nn.CrossEntropyLoss"
+            "nn.Linear LM head or nn.CrossEntropyLoss, split_input any module"
         )
     return layer
+
+
+def _sum_over(grad: torch.Tensor, *, group) -> torch.Tensor:
+    """A ``split_input`` module's weight gradient, summed over the tensor group: each rank
+    computed the part its own piece of the activation contributes. Inside the full overlap's
+    lanes it is left alone: the block returns the two halves' gradients added together to the
+    outer backward, where this hook runs again, once."""
+    if lanes.in_lanes():
+        return grad
+    return all_reduce_now(grad.clone(), group, name=BACKWARD)
 
 
 def _replace(model: nn.Module, name: str, replacement: nn.Module) -> None:
