@@ -19,9 +19,9 @@ A *plan* maps module names to styles, first matching rule wins:
 A plan is given as ``{regex: style}`` (``re.fullmatch`` on the module's qualified name), as a
 list of ``Rule``, or found for the layouts zerolap knows (``auto_plan``): its own demo GPT, Hugging
 Face GPT-2, and Llama-style decoders (``_LLAMA_STYLE``: Llama, Mistral, Qwen2/3, Gemma 1-3 and
-fifteen more ``model_type``s). Attention modules whose head
-counts are attributes get them divided by T; a head count T does not divide is a named error,
-since a split that cuts through a head computes something else silently.
+thirteen more ``model_type``s). Attention modules whose head counts are attributes get them
+divided by T; a head count T does not divide is a named error, since a split that cuts through
+a head computes something else silently.
 """
 
 from __future__ import annotations
@@ -315,6 +315,9 @@ def parallelize(
     for name, replacement in replacements:
         if replacement is not model.get_submodule(name):
             _replace(model, name, replacement)
+    for _, module, rule in chosen:
+        if rule.style == "split_input":
+            _sum_gradients(module, group)
     _divide(model, plan, count, apply=True)
     if overlap is Overlap.FULL:
         split_blocks(model)
@@ -351,11 +354,7 @@ def _convert(name, module, rule: Rule, group, split, overlap) -> nn.Module:
         )
         split[id(module.weight)] = layer.weight
     elif rule.style == "split_input":
-        for param in module.parameters():
-            if not getattr(param, "tp_summed_grad", False):  # once, however often it is split
-                param.register_hook(functools.partial(_sum_over, group=group))
-                param.tp_summed_grad = True
-        layer = module
+        layer = module  # kept whole; its gradients are summed once the whole split is made
     elif rule.style == "vocab" and isinstance(module, nn.CrossEntropyLoss):
         if module.weight is not None or module.label_smoothing or module.reduction != "mean":
             raise ValueError(
@@ -370,6 +369,13 @@ def _convert(name, module, rule: Rule, group, split, overlap) -> nn.Module:
             "nn.Linear LM head or nn.CrossEntropyLoss, split_input any module"
         )
     return layer
+
+
+def _sum_gradients(module: nn.Module, group) -> None:
+    for param in module.parameters():
+        if not getattr(param, "tp_summed_grad", False):  # once, for a weight modules share
+            param.register_hook(functools.partial(_sum_over, group=group))
+            param.tp_summed_grad = True
 
 
 def _sum_over(grad: torch.Tensor, *, group) -> torch.Tensor:
