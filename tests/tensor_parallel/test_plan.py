@@ -98,15 +98,31 @@ def test_full_overlap_and_kv_caches(ranks):
     ranks(2).run(check_hf_cache)
 
 
+_SHAPES = {  # each model type's own names for a 2-layer decoder of width 32 with 4 heads
+    "opt": dict(num_hidden_layers=2, hidden_size=32, ffn_dim=64, num_attention_heads=4,
+                max_position_embeddings=64, word_embed_proj_dim=32),
+    "gptj": dict(n_layer=2, n_embd=32, n_head=4, n_inner=64, n_positions=64, rotary_dim=4),
+    "gpt_neo": dict(num_layers=2, hidden_size=32, num_heads=4, intermediate_size=64,
+                    max_position_embeddings=64, attention_types=[[["global", "local"], 1]],
+                    window_size=4),
+    "phi": dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=64, qk_layernorm=True),
+}  # fmt: skip
+_LLAMA_SHAPE = dict(
+    num_hidden_layers=2, hidden_size=32, intermediate_size=64, head_dim=8,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+)  # fmt: skip
+
+
 def _tiny(model_type: str):
-    """A 2-layer decoder of ``model_type`` with 4 query and 2 key/value heads of width 8."""
+    """A 2-layer decoder of ``model_type`` with 4 query heads (2 key/value heads where it has
+    them) of width 8, without dropout."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    shape = _SHAPES.get(model_type, _LLAMA_SHAPE)
     config = AutoConfig.for_model(
-        model_type, num_hidden_layers=2, hidden_size=32, intermediate_size=64, head_dim=8,
-        num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
-        max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )  # fmt: skip
+        model_type, vocab_size=VOCAB, bos_token_id=0, eos_token_id=0, pad_token_id=0, **shape
+    )
     for key, value in config.to_dict().items():  # dropout draws differ once split
         if "dropout" in key and isinstance(value, float):
             setattr(config, key, 0.0)
@@ -158,6 +174,15 @@ def test_every_llama_style_model_type_splits_like_the_dense_model(ranks):
     from zerolap.tensor_parallel.plan import _LLAMA_STYLE
 
     assert ranks(2).run(split_like_dense, list(_LLAMA_STYLE), "backward", timeout=240) == [[], []]
+
+
+def test_other_decoders_split_like_the_dense_model(ranks):
+    """OPT, GPT-J, GPT-Neo, Phi (with its per-head query/key norms) and StarCoder2, by their
+    own plans, under the full overlap's lanes."""
+    pytest.importorskip("transformers")
+    from zerolap.tensor_parallel.plan import _OTHER_DECODERS
+
+    assert ranks(2).run(split_like_dense, list(_OTHER_DECODERS), "full", timeout=240) == [[], []]
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "apertus"])

@@ -147,7 +147,8 @@ class TensorParallelConfig(ConfigSection):
     preset_model: str | None = None
     """A named plan: ``gpt`` (zerolap's demo), ``gpt2``, or a Llama-style Hugging Face
     ``model_type`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``,
-    ``gemma3_text`` and the others ``tensor_parallel.plan`` lists)."""
+    ``gemma3_text`` and the others ``tensor_parallel.plan`` lists), or ``opt``, ``gptj``,
+    ``gpt_neo``, ``phi``, ``starcoder2``."""
     inner: InnerTPConfig = Field(
         default_factory=InnerTPConfig, validation_alias=AliasChoices("tp", "tensor_parallel")
     )

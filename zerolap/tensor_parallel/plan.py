@@ -18,8 +18,9 @@ A *plan* maps module names to styles, first matching rule wins:
 
 A plan is given as ``{regex: style}`` (``re.fullmatch`` on the module's qualified name), as a
 list of ``Rule``, or found for the layouts zerolap knows (``auto_plan``): its own demo GPT, Hugging
-Face GPT-2, and Llama-style decoders (``_LLAMA_STYLE``: Llama, Mistral, Qwen2/3, Gemma 1-3 and
-thirteen more ``model_type``s). Attention modules whose head counts are attributes get them
+Face GPT-2, Llama-style decoders (``_LLAMA_STYLE``: Llama, Mistral, Qwen2/3, Gemma 1-3 and
+thirteen more ``model_type``s) and a few others (``_OTHER_DECODERS``: OPT, GPT-J, GPT-Neo, Phi,
+StarCoder2). Attention modules whose head counts are attributes get them
 divided by T; a head count T does not divide is a named error, since a split that cuts through
 a head computes something else silently.
 """
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -157,6 +159,58 @@ def _llama_plan() -> TPPlan:
     )
 
 
+def _attention_mlp_plan(
+    name: str, qkv: str, out: str, up: str, down: str, **fixes
+) -> Callable[[], TPPlan]:
+    """A decoder with separate query/key/value projections (``qkv``, a regex alternative of
+    their module paths inside a layer) and a two-matrix MLP: the projections and the MLP's
+    first matrix in columns, the attention output and the MLP's second in rows."""
+
+    def plan() -> TPPlan:
+        return TPPlan(
+            rules=(
+                Rule(rf".*\.{qkv}", "colwise"),
+                Rule(rf".*\.{out}", "rowwise"),
+                Rule(rf".*\.{up}", "colwise"),
+                Rule(rf".*\.{down}", "rowwise"),
+                *fixes.get("extra", ()),
+            ),
+            divide=fixes.get("divide", {}),
+            heads=fixes.get("heads", ()),
+            name=name,
+        )
+
+    return plan
+
+
+_OTHER_DECODERS = {
+    "opt": _attention_mlp_plan(
+        "OPT", r"self_attn\.(q|k|v)_proj", r"self_attn\.out_proj", "fc1", "fc2",
+        divide={"OPTAttention": ("num_heads",)}, heads=("num_attention_heads",),
+    ),
+    "gptj": _attention_mlp_plan(
+        "GPT-J", r"attn\.(q|k|v)_proj", r"attn\.out_proj", r"mlp\.fc_in", r"mlp\.fc_out",
+        divide={"GPTJAttention": ("num_attention_heads",)}, heads=("n_head",),
+    ),
+    "gpt_neo": _attention_mlp_plan(
+        "GPT-Neo", r"attn\.attention\.(q|k|v)_proj", r"attn\.attention\.out_proj",
+        r"mlp\.c_fc", r"mlp\.c_proj",
+        divide={"GPTNeoSelfAttention": ("num_heads",)}, heads=("num_heads",),
+    ),
+    "phi": _attention_mlp_plan(
+        "Phi", r"self_attn\.(q|k|v)_proj", r"self_attn\.dense", r"mlp\.fc1", r"mlp\.fc2",
+        extra=(Rule(r".*\.self_attn\.(q|k)_layernorm", "split_input"),),
+        heads=("num_attention_heads", "num_key_value_heads"),
+    ),
+    "starcoder2": _attention_mlp_plan(
+        "StarCoder2", r"self_attn\.(q|k|v)_proj", r"self_attn\.o_proj", r"mlp\.c_fc",
+        r"mlp\.c_proj", heads=("num_attention_heads", "num_key_value_heads"),
+    ),
+}  # fmt: skip
+"""Other Hugging Face decoders with separate projections, by ``model_type``; head counts the
+attention module keeps as attributes are divided by T (``divide``). Each is checked like the
+Llama-style ones."""
+
 _LLAMA_STYLE = (
     "apertus", "arcee", "cohere", "ernie4_5", "exaone4", "gemma", "gemma2", "gemma3_text",
     "granite", "helium", "hunyuan_v1_dense", "llama", "ministral", "mistral", "nemotron", "olmo",
@@ -171,6 +225,7 @@ _PRESETS = {
     "gpt": _gpt_plan,
     "gpt2": _gpt2_plan,
     **{model_type: _llama_plan for model_type in _LLAMA_STYLE},
+    **_OTHER_DECODERS,
 }
 
 
