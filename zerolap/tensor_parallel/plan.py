@@ -144,27 +144,21 @@ def _gpt2_plan() -> TPPlan:
     )
 
 
-def _llama_plan() -> TPPlan:
-    return TPPlan(
-        rules=(
-            Rule(r".*\.self_attn\.(q|k|v)_proj", "colwise"),
-            Rule(r".*\.self_attn\.o_proj", "rowwise"),
-            Rule(r".*\.self_attn\.(q_norm|k_norm|query_layernorm|key_layernorm)", "split_input"),
-            Rule(r".*\.mlp\.(gate|up)_proj", "colwise"),
-            Rule(r".*\.mlp\.down_proj", "rowwise"),
-            Rule(r".*\.mlp\.act_fn", "split_input"),
-        ),
-        heads=("num_attention_heads", "num_key_value_heads"),
-        name="Llama-style decoder",
-    )
-
-
 def _attention_mlp_plan(
-    name: str, qkv: str, out: str, up: str, down: str, **fixes
+    name: str,
+    qkv: str,
+    out: str,
+    up: str,
+    down: str,
+    *,
+    extra: tuple[Rule, ...] = (),
+    divide: dict[str, tuple[str, ...]] | None = None,
+    heads: tuple[str, ...] = (),
 ) -> Callable[[], TPPlan]:
-    """A decoder with separate query/key/value projections (``qkv``, a regex alternative of
-    their module paths inside a layer) and a two-matrix MLP: the projections and the MLP's
-    first matrix in columns, the attention output and the MLP's second in rows."""
+    """A decoder with separate query/key/value projections (``qkv``, a regex of their module
+    paths inside a layer) and an MLP whose first matrices (``up``) feed one last (``down``):
+    the projections and the MLP's first matrices in columns, the attention output and the
+    MLP's last matrix in rows, then the ``extra`` rules."""
 
     def plan() -> TPPlan:
         return TPPlan(
@@ -173,14 +167,25 @@ def _attention_mlp_plan(
                 Rule(rf".*\.{out}", "rowwise"),
                 Rule(rf".*\.{up}", "colwise"),
                 Rule(rf".*\.{down}", "rowwise"),
-                *fixes.get("extra", ()),
+                *extra,
             ),
-            divide=fixes.get("divide", {}),
-            heads=fixes.get("heads", ()),
+            divide=divide or {},
+            heads=heads,
             name=name,
         )
 
     return plan
+
+
+_llama_plan = _attention_mlp_plan(
+    "Llama-style decoder", r"self_attn\.(q|k|v)_proj", r"self_attn\.o_proj",
+    r"mlp\.(gate|up)_proj", r"mlp\.down_proj",
+    extra=(
+        Rule(r".*\.self_attn\.(q_norm|k_norm|query_layernorm|key_layernorm)", "split_input"),
+        Rule(r".*\.mlp\.act_fn", "split_input"),
+    ),
+    heads=("num_attention_heads", "num_key_value_heads"),
+)  # fmt: skip
 
 
 _OTHER_DECODERS = {
