@@ -105,6 +105,8 @@ _SHAPES = {  # each model type's own names for a 2-layer decoder of width 32 wit
     "gpt_neo": dict(num_layers=2, hidden_size=32, num_heads=4, intermediate_size=64,
                     max_position_embeddings=64, attention_types=[[["global", "local"], 1]],
                     window_size=4),
+    "gpt_neox": dict(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=64),
     "phi": dict(num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=64, qk_layernorm=True),
 }  # fmt: skip
@@ -177,8 +179,9 @@ def test_every_llama_style_model_type_splits_like_the_dense_model(ranks):
 
 
 def test_other_decoders_split_like_the_dense_model(ranks):
-    """OPT, GPT-J, GPT-Neo, Phi (with its per-head query/key norms) and StarCoder2, by their
-    own plans, under the full overlap's lanes."""
+    """OPT, GPT-J, GPT-Neo, GPT-NeoX (each head's query, key and value rows together in one
+    projection), Phi (with its per-head query/key norms) and StarCoder2, by their own plans,
+    under the full overlap's lanes."""
     pytest.importorskip("transformers")
     from zerolap.tensor_parallel.plan import _OTHER_DECODERS
 

@@ -53,11 +53,10 @@ _KERNELS = (
     "the model's own layers (AutoTP)"
 )
 _POLICY = (
-    "zerolap splits by its own plans (Hugging Face GPT-2, OPT, GPT-J, GPT-Neo, Phi, StarCoder2, "
-    "Llama-style decoders such as Llama, Mistral, Qwen2/3 and Gemma 1-3, zerolap's GPT), not by "
-    "injection policies; for another "
-    "model call zerolap.tensor_parallel.parallelize(model, group, plan={name regex: 'colwise' "
-    "| 'rowwise'})"
+    "zerolap splits by its own plans (Hugging Face GPT-2, OPT, GPT-J, GPT-Neo, GPT-NeoX, Phi, "
+    "StarCoder2, Llama-style decoders such as Llama, Mistral, Qwen2/3 and Gemma 1-3, zerolap's "
+    "GPT), not by injection policies; for another model call "
+    "zerolap.tensor_parallel.parallelize(model, group, plan={name regex: 'colwise' | 'rowwise'})"
 )
 _LOADING = (
     "DeepSpeed loads sharded checkpoints into a model built on the meta device; load the weights "

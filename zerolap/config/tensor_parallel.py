@@ -148,7 +148,7 @@ class TensorParallelConfig(ConfigSection):
     """A named plan: ``gpt`` (zerolap's demo), ``gpt2``, or a Llama-style Hugging Face
     ``model_type`` (``llama``, ``mistral``, ``qwen2``, ``qwen3``, ``gemma``, ``gemma2``,
     ``gemma3_text`` and the others ``tensor_parallel.plan`` lists), or ``opt``, ``gptj``,
-    ``gpt_neo``, ``phi``, ``starcoder2``."""
+    ``gpt_neo``, ``gpt_neox``, ``phi``, ``starcoder2``."""
     inner: InnerTPConfig = Field(
         default_factory=InnerTPConfig, validation_alias=AliasChoices("tp", "tensor_parallel")
     )

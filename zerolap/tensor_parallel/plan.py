@@ -19,9 +19,9 @@ A *plan* maps module names to styles, first matching rule wins:
 A plan is given as ``{regex: style}`` (``re.fullmatch`` on the module's qualified name), as a
 list of ``Rule``, or found for the layouts zerolap knows (``auto_plan``): its own demo GPT, Hugging
 Face GPT-2, Llama-style decoders (``_LLAMA_STYLE``: Llama, Mistral, Qwen2/3, Gemma 1-3 and
-thirteen more ``model_type``s) and a few others (``_OTHER_DECODERS``: OPT, GPT-J, GPT-Neo, Phi,
-StarCoder2). Attention modules whose head counts are attributes get them
-divided by T; a head count T does not divide is a named error, since a split that cuts through
+thirteen more ``model_type``s) and a few others (``_OTHER_DECODERS``: OPT, GPT-J, GPT-Neo,
+GPT-NeoX, Phi, StarCoder2). Attention modules whose head counts are attributes get them divided
+by T; a head count T does not divide is a named error, since a split that cuts through
 a head computes something else silently.
 """
 
@@ -206,6 +206,12 @@ _OTHER_DECODERS = {
         "Phi", r"self_attn\.(q|k|v)_proj", r"self_attn\.dense", r"mlp\.fc1", r"mlp\.fc2",
         extra=(Rule(r".*\.self_attn\.(q|k)_layernorm", "split_input"),),
         heads=("num_attention_heads", "num_key_value_heads"),
+    ),
+    # The fused projection holds each head's query, key and value rows together, so a plain
+    # split of the rows gives each rank whole heads.
+    "gpt_neox": _attention_mlp_plan(
+        "GPT-NeoX", r"attention\.query_key_value", r"attention\.dense",
+        r"mlp\.dense_h_to_4h", r"mlp\.dense_4h_to_h", heads=("num_attention_heads",),
     ),
     "starcoder2": _attention_mlp_plan(
         "StarCoder2", r"self_attn\.(q|k|v)_proj", r"self_attn\.o_proj", r"mlp\.c_fc",
