@@ -93,6 +93,34 @@ def check_pipeline_after_init_inference() -> str:
     return got[0]["generated_text"]
 
 
+def check_rank_local_generate_arguments() -> list:
+    """A streamer on rank 0 only (None elsewhere) and keywords in another order are not
+    different inputs."""
+    import zerolap.comm as dist
+
+    class Streamer:
+        def put(self, value) -> None:
+            pass
+
+        def end(self) -> None:
+            pass
+
+    rank = dist.get_rank()
+    engine = zerolap.init_inference(_hf("gpt2"), mp_size=2, dtype=torch.float32)
+    arguments = {"input_ids": _ids(), "max_new_tokens": 3, "do_sample": False}
+    if rank == 1:
+        arguments = dict(reversed(list(arguments.items())))
+    with torch.no_grad():
+        tokens = engine.generate(**arguments, streamer=Streamer() if rank == 0 else None)
+    return tokens.tolist()
+
+
+def test_rank_local_generate_arguments_are_not_a_mismatch(ranks):
+    pytest.importorskip("transformers")
+    tokens = ranks(2).run(check_rank_local_generate_arguments)
+    assert tokens[0] == tokens[1]
+
+
 def test_transformers_pipeline_runs_the_split_model(ranks):
     pytest.importorskip("transformers")
     texts = ranks(2).run(check_pipeline_after_init_inference)

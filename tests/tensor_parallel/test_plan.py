@@ -268,6 +268,64 @@ def test_partition_config_translates_to_rules():
     assert qkv.matches("blocks.0.attn.qkv") and not qkv.matches("blocks.0.attn.proj")
 
 
+def test_layer_specs_alone_keep_the_summed_gradients_of_a_known_layout():
+    """DeepSpeed's layer specs can only say column, row or skip: Qwen3's query/key norms see
+    split heads whatever they split, so the plan keeps their summed gradients."""
+    pytest.importorskip("transformers")
+    specs = [
+        {"patterns": [r".*\.(q|k|v|gate|up)_proj\.weight$"], "partition_type": "column"},
+        {"patterns": [r".*\.(o|down)_proj\.weight$"], "partition_type": "row"},
+    ]
+    tp = {"autotp_size": 2, "partition_config": {"use_default_specs": False, "layer_specs": specs}}
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "tensor_parallel": tp}, world_size=2)
+    plan = plan_from_config(cfg.tensor_parallel, _tiny("qwen3"))
+    summed = [r for r in plan.rules if r.style == "split_input"]
+    assert any(r.matches("model.layers.0.self_attn.q_norm") for r in summed), plan.rules
+    assert not any(r.style == "colwise" and not r.on_weight for r in plan.rules)
+
+
+def test_head_counts_are_divided_on_subclasses_of_the_named_class():
+    """transformers' FlashAttention2 variants subclass the attention class a plan names."""
+    from zerolap.tensor_parallel.plan import TPPlan, _divide
+
+    class Attention(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.num_heads = 4
+
+    class FlashAttention(Attention):
+        pass
+
+    model = torch.nn.Sequential(Attention(), FlashAttention())
+    _divide(model, TPPlan((), divide={"Attention": ("num_heads",)}), 2, apply=True)
+    assert [m.num_heads for m in model] == [2, 2]
+
+
+def split_frozen_and_per_head() -> tuple[bool, str, bool]:
+    """A frozen Qwen3 splits (its norms' weights take no gradient hook) and computes the dense
+    loss; a Cohere with a weight row per head in its query/key norms is refused, unsplit."""
+    dense, frozen = _tiny("qwen3"), _tiny("qwen3").requires_grad_(False)
+    parallelize(frozen, None)
+    ids = torch.randint(1, VOCAB, (2, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        same = torch.allclose(frozen(input_ids=ids).logits, dense(input_ids=ids).logits, atol=1e-5)
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "cohere", use_qk_norm=True, vocab_size=VOCAB, pad_token_id=0, **_LLAMA_SHAPE
+    )
+    message, untouched = _split_error(AutoModelForCausalLM.from_config(config))
+    return same, message, untouched
+
+
+def test_frozen_norms_split_and_per_head_norm_weights_are_refused(ranks):
+    pytest.importorskip("transformers")
+    same, message, untouched = ranks(2).run(split_frozen_and_per_head)[0]
+    assert same
+    assert "q_norm (CohereLayerNorm) applies weight of shape (4, 8), a row per head" in message
+    assert untouched
+
+
 def test_fused_blocks_of_given_sizes_reach_the_rule():
     spec = {"patterns": [r".*\.qkv\.weight$"], "shape": [[32, 16, 16], -1]}
     config = {

@@ -51,14 +51,17 @@ _PLAIN = (bool, int, float, str, type(None))
 def _settings(leaves: list) -> torch.Tensor:
     """A checksum per plain value among ``leaves`` (numbers, flags, strings; an object's
     ``to_dict()``, as a ``GenerationConfig`` has, counts by its plain values). Other objects
-    are left out: their text may hold a memory address, which differs from rank to rank."""
+    are left out, since their text may hold a memory address, and so is None, which stands
+    for an object on some ranks (a ``streamer`` given to rank 0 only)."""
     values = []
     for leaf in leaves:
+        if leaf is None:
+            continue
         if isinstance(leaf, _PLAIN):
             values.append(leaf)
         elif callable(getattr(leaf, "to_dict", None)):
             inner, _ = tree_flatten(leaf.to_dict())
-            values += [value for value in inner if isinstance(value, _PLAIN)]
+            values += [v for v in inner if v is not None and isinstance(v, _PLAIN)]
     return torch.tensor(
         [float(zlib.crc32(repr(value).encode())) for value in values], dtype=torch.float64
     )
@@ -70,7 +73,7 @@ def check_same_inputs(
     """Raise naming the ranks of the tensor group ``group`` whose inputs (tensors and plain
     settings) differ from its first rank's, at the first ``call``; ``advice`` says what to do
     about it. Called once, by every rank of the group."""
-    leaves, _ = tree_flatten((inputs, kwargs))
+    leaves, _ = tree_flatten((inputs, dict(sorted(kwargs.items()))))  # in any keyword order
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
     mine = torch.cat([fingerprint(tensors), _settings(leaves)]).to(dist.buffer_device(group))
     size = torch.tensor([mine.numel()], dtype=torch.float64, device=mine.device)

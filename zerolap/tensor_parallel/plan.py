@@ -313,6 +313,15 @@ def plan_from_config(config, model: nn.Module) -> TPPlan:
         base = default or auto_plan(model)
         rules += base.rules
         divide, heads, name = base.divide, base.heads, f"partition_config + {base.name}"
+    else:
+        # Layer specs say column, row or skip only: the weights of a known layout that see a
+        # split activation still need their gradients summed, whatever the specs split.
+        try:
+            base = default or auto_plan(model)
+        except ValueError:  # a layout zerolap has no plan for: nothing known to add
+            base = None
+        if base is not None:
+            rules += [rule for rule in base.rules if rule.style == "split_input"]
     return TPPlan(tuple(rules), divide, heads, name, strict=partition.strict_mode)
 
 
@@ -420,6 +429,13 @@ def _convert(name, module, rule: Rule, group, split, overlap) -> nn.Module:
         )
         split[id(module.weight)] = layer.weight
     elif rule.style == "split_input":
+        per_head = [n for n, p in module.named_parameters() if p.dim() > 1]
+        if per_head:  # Cohere's q_norm with use_qk_norm: a weight row per head
+            raise ValueError(
+                f"tensor parallelism: {name} ({kind}) applies {', '.join(per_head)} of shape "
+                f"{tuple(module.get_parameter(per_head[0]).shape)}, a row per head; splitting "
+                "such a weight by head is not implemented"
+            )
         layer = module  # kept whole; its gradients are summed once the whole split is made
     elif rule.style == "vocab" and isinstance(module, nn.CrossEntropyLoss):
         if module.weight is not None or module.label_smoothing or module.reduction != "mean":
@@ -438,8 +454,10 @@ def _convert(name, module, rule: Rule, group, split, overlap) -> nn.Module:
 
 
 def _sum_gradients(module: nn.Module, group) -> None:
+    """Hooks summing the gradients of ``module``'s trainable weights over ``group`` (a frozen
+    one gets no gradient to sum, and torch refuses hooks on it)."""
     for param in module.parameters():
-        if not getattr(param, "tp_summed_grad", False):  # once, for a weight modules share
+        if param.requires_grad and not getattr(param, "tp_summed_grad", False):  # once each
             param.register_hook(functools.partial(_sum_over, group=group))
             param.tp_summed_grad = True
 
@@ -473,7 +491,11 @@ def _check_heads(model: nn.Module, plan: TPPlan, count: int) -> None:
 
 def _divide(model: nn.Module, plan: TPPlan, count: int, *, apply: bool) -> None:
     for name, module in model.named_modules():
-        for attribute in plan.divide.get(type(module).__name__, ()):
+        # By the class or any base of it (transformers' FlashAttention2 variants subclass the
+        # attention class the plan names).
+        kinds = [cls.__name__ for cls in type(module).__mro__]
+        found = next((plan.divide[kind] for kind in kinds if kind in plan.divide), ())
+        for attribute in found:
             value = getattr(module, attribute)
             if value % count:
                 raise ValueError(
