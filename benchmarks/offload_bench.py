@@ -37,6 +37,7 @@ Run from the repo root: ``python benchmarks/offload_bench.py [--quick] [--models
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import statistics
 import sys
@@ -278,6 +279,51 @@ def _optimizer_rate(rank: int, system: str, swap_dir: str, repeats: int) -> dict
 # -- the run ---------------------------------------------------------------------------------
 
 
+def io_shapes(directory: str, nbytes: int = 256 * MIB, rounds: int = 3) -> None:
+    """MiB/s writing and reading ``nbytes`` through a swap file as one request (what zerolap
+    does per region), against DeepSpeed's ``aio`` shapes: blocks of ``block_size`` from
+    ``intra_op_parallelism`` threads. Medians of ``rounds``, the shapes alternating."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from zerolap.offload.swap_file import SwapFile, aligned_empty
+
+    buffer = aligned_empty(nbytes)
+    buffer.random_(0, 255)
+    view = memoryview((ctypes.c_ubyte * nbytes).from_address(buffer.data_ptr())).cast("B")
+    swap = SwapFile(Path(directory) / "shapes.swap", nbytes)
+    shapes = [(nbytes, 1)] + [(b * MIB, t) for b in (1, 4) for t in (1, 2, 4, 8)]
+    pools = {threads: ThreadPoolExecutor(threads) for threads in (1, 2, 4, 8)}
+
+    def transfer(call, block: int, threads: int) -> None:
+        def one(offset: int) -> None:
+            done = 0
+            while done < block:
+                done += call(swap._fd, [view[offset + done : offset + block]], offset + done)
+
+        list(pools[threads].map(one, range(0, nbytes, block)))
+
+    speeds = {shape: ([], []) for shape in shapes}
+    try:
+        for _ in range(rounds):
+            for shape in shapes:
+                began = time.perf_counter()
+                transfer(os.pwritev, *shape)
+                os.fsync(swap._fd)
+                speeds[shape][0].append(nbytes / (time.perf_counter() - began) / MIB)
+                began = time.perf_counter()
+                transfer(os.preadv, *shape)
+                speeds[shape][1].append(nbytes / (time.perf_counter() - began) / MIB)
+    finally:
+        swap.close()
+        for pool in pools.values():
+            pool.shutdown()
+    print(f"{nbytes // MIB} MiB under {directory} ({'direct' if swap.direct else 'buffered'} I/O)")
+    print("| requests | write MiB/s | read MiB/s |\n|---|---|---|")
+    for (block, threads), (write, read) in speeds.items():
+        what = "one" if block == nbytes else f"{block // MIB} MiB blocks, {threads} threads"
+        print(f"| {what} | {statistics.median(write):.0f} | {statistics.median(read):.0f} |")
+
+
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", nargs="+", default=None, choices=sorted(MODELS))
@@ -296,6 +342,11 @@ def _parse(argv):
         "--swap-dir", default=None, help="where swap files go (default: a temp dir)"
     )
     parser.add_argument("--quick", action="store_true", help="small model, 1 round, 2 steps")
+    parser.add_argument(
+        "--io-shapes",
+        action="store_true",
+        help="only the disk: one request against DeepSpeed's aio blocks and threads",
+    )
     return parser.parse_args(argv)
 
 
@@ -309,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
         args.models, args.rounds, args.steps, args.warmup = ["small"], 1, 2, 1
     models = args.models or ["42m", "170m"]
     with tempfile.TemporaryDirectory(dir=args.swap_dir, prefix="zerolap-offload-") as swap:
+        if args.io_shapes:
+            io_shapes(swap)
+            return 0
         write_bw, read_bw, direct = disk_bandwidth(swap)
         print(
             f"disk under {swap}: write {write_bw / MIB:,.0f} MiB/s, read {read_bw / MIB:,.0f} "

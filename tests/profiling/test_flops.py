@@ -204,6 +204,17 @@ def test_a_forward_that_raises_leaves_no_counting_behind():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+def _sgd_engine(model: nn.Module, *, profile_step: int, out: str):
+    """An SGD engine over ``model`` profiling step ``profile_step`` into ``out``."""
+    config = {
+        "train_micro_batch_size_per_gpu": B,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "flops_profiler": {"enabled": True, "profile_step": profile_step, "output_file": out},
+    }
+    engine, *_ = zerolap.initialize(model=model, config=config)
+    return engine
+
+
 class Checkpointed(nn.Module):
     """A child run under activation checkpointing: recomputed in the backward."""
 
@@ -218,12 +229,7 @@ class Checkpointed(nn.Module):
 def check_eval_and_recompute_are_not_profiled(out: str) -> dict:
     torch.manual_seed(0)
     model = Checkpointed()
-    config = {
-        "train_micro_batch_size_per_gpu": B,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": out},
-    }
-    engine, *_ = zerolap.initialize(model=model, config=config)
+    engine = _sgd_engine(model, profile_step=1, out=out)
     profile = engine._flops
     for step in range(3):
         with torch.no_grad():  # evaluations inside the timed step and before the counted one
@@ -271,12 +277,7 @@ def test_the_first_profile_in_a_process_does_not_time_torchs_imports():
 def check_a_raising_forward_leaves_no_hooks(out: str) -> dict:
     torch.manual_seed(0)
     model = Net()
-    config = {
-        "train_micro_batch_size_per_gpu": B,
-        "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-        "flops_profiler": {"enabled": True, "profile_step": 0, "output_file": out},
-    }
-    engine, *_ = zerolap.initialize(model=model, config=config)
+    engine = _sgd_engine(model, profile_step=0, out=out)
     with pytest.raises(RuntimeError):
         engine(torch.randn(B, S, W + 1))  # the wrong width, inside the timed step
     left = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())

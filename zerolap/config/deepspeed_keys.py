@@ -51,9 +51,10 @@ class DeepSpeedKeys(ConfigSection):
     aio: Annotated[Block, DeepSpeedOnly()] = None
     """DeepSpeed's libaio request shape for NVMe offload (``block_size``, ``queue_depth``,
     ``intra_op_parallelism``). zerolap issues each swap region as one direct request, which
-    the kernel splits and queues itself: on this project's VM disk, 256 MiB regions moved at
-    1007 MiB/s written and 4257 MiB/s read as one request, against 936-1023 and 3084-4355 as
-    1-4 MiB blocks from 1 to 8 threads, so the block shape is not offered."""
+    the kernel splits and queues itself: ``benchmarks/offload_bench.py --io-shapes`` on this
+    project's VM disk moved 256 MiB at 948 MiB/s written and 2908 read as one request, against
+    915-996 and 2351-3073 as 1 or 4 MiB blocks from 1 to 8 threads (at best 1.06x), so the
+    block shape is not offered."""
     autotuning: Annotated[Block, DeepSpeedOnly()] = None
     """DeepSpeed's autotuner."""
     nebula: Annotated[Block, DeepSpeedOnly()] = None

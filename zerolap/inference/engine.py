@@ -11,6 +11,7 @@ inputs (``runtime.inputs``), since a group computes one answer together.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Mapping
@@ -26,7 +27,7 @@ from zerolap.runtime.inputs import check_same_inputs
 from zerolap.tensor_parallel.layers import is_tensor_parallel
 from zerolap.tensor_parallel.plan import auto_plan, parallelize
 from zerolap.topology import build_mesh
-from zerolap.utils import logger
+from zerolap.utils import log_dist
 
 __all__ = ["InferenceEngine", "init_inference"]
 
@@ -75,16 +76,17 @@ class InferenceEngine(nn.Module):
         self._is_compiled = False
         if hasattr(model, "generate"):
             self.generate = self._generate
-        if _rank() == 0:
-            unread = config.unsupported_keys()
-            if unread:
-                logger.warning(
-                    "init_inference: these keys belong to DeepSpeed's fused kernels and its "
-                    "other inference machinery, which zerolap does not have, and have no "
-                    f"effect: {', '.join(unread)}"
-                )
-            for note in config.advice():
-                logger.warning(f"init_inference: {note}")
+        unread = config.unsupported_keys()
+        if unread:
+            log_dist(
+                "init_inference: these keys belong to DeepSpeed's fused kernels and its other "
+                f"inference machinery, which zerolap does not have, and have no effect: "
+                f"{', '.join(unread)}",
+                ranks=[0],
+                level=logging.WARNING,
+            )
+        for note in config.advice():
+            log_dist(f"init_inference: {note}", ranks=[0], level=logging.WARNING)
 
     # -- tensor parallelism -------------------------------------------------------------------
 
@@ -136,9 +138,8 @@ class InferenceEngine(nn.Module):
         if plan is not None:
             parallelize(model, group, plan)
         _share_rng(group)
-        if _rank() == 0:
-            how = f"split by the {plan.name} plan" if plan else "split before init_inference"
-            logger.info(f"init_inference: the model runs over {size} ranks, {how}")
+        how = f"split by the {plan.name} plan" if plan else "split before init_inference"
+        log_dist(f"init_inference: the model runs over {size} ranks, {how}", ranks=[0])
         return group
 
     def _check_inputs(self, inputs: tuple, kwargs: dict, call: str) -> None:
@@ -220,10 +221,6 @@ class InferenceEngine(nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(super().__getattr__("module"), name)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _share_rng(group) -> None:
