@@ -61,11 +61,14 @@ def run(python: str, out: Path, args: list[str]) -> tuple[dict, float]:
     return json.loads(result.read_text()), time.perf_counter() - start
 
 
-def launch_two_ranks(python: str, script: Path, args: list[str], *, cwd: str, label: str) -> None:
-    """``script`` with ``args`` on 2 ranks of ``python`` (torchrun, one thread each, DeepSpeed
-    on its CPU accelerator, this repository importable); its output's tail on failure."""
+def launch_ranks(
+    python: str, script: Path, args: list[str], *, cwd: str, label: str, ranks: int = 2
+) -> None:
+    """``script`` with ``args`` on ``ranks`` ranks of ``python`` (torchrun, one thread each,
+    DeepSpeed on its CPU accelerator, this repository importable); its output's tail on
+    failure."""
     command = [
-        python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        python, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
         str(script), *args,
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.deepspeed_diff import launch_two_ranks
+from benchmarks.deepspeed_diff import launch_ranks
 
 
 def worker(library: str, out: str, args: argparse.Namespace) -> None:
@@ -114,7 +114,7 @@ def main() -> int:
             for library in order:
                 python = args.deepspeed_python if library == "deepspeed" else sys.executable
                 out = Path(tmp) / f"{library}-{round_}.json"
-                launch_two_ranks(
+                launch_ranks(
                     python,
                     Path(__file__).resolve(),
                     ["--deepspeed-python", python, *sizes, "--worker", library, str(out)],

@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.deepspeed_diff import launch_two_ranks
+from benchmarks.deepspeed_diff import launch_ranks
 
 STEPS, ACCUMULATION, MICRO = 4, 2, 4
 
@@ -86,7 +86,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for library, python in (("deepspeed", args.deepspeed_python), ("zerolap", sys.executable)):
             out = Path(tmp) / library
-            launch_two_ranks(
+            launch_ranks(
                 python,
                 Path(__file__).resolve(),
                 ["--deepspeed-python", python, "--worker", library, str(out)],

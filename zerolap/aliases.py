@@ -33,6 +33,7 @@ DEEPSPEED_API = "0.19.8"
 MODULES: dict[str, str] = {
     "accelerator": "zerolap.accelerator",
     "checkpoint": "zerolap.checkpoint",
+    "checkpoint.ds_to_universal": "zerolap.checkpoint.universal",
     "checkpoint.utils": "zerolap.checkpoint.utils",
     "checkpointing": "zerolap.checkpointing",
     "comm": "zerolap.comm",

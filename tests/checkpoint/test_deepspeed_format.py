@@ -35,19 +35,21 @@ def _expected(case: str) -> dict:
     return torch.load(HERE / case / "expected.pt", weights_only=True)
 
 
-def resume_and_step(case: str, stage: int) -> dict:
-    """Load ``case`` at ``stage`` on this job's ranks and take the next step on the batch the
-    DeepSpeed run used (split over however many ranks there are now)."""
+def resume_and_step(case: str, stage: int, folder=None, tag=None, universal=False) -> dict:
+    """Load ``case`` (from ``folder`` if given; ``tag``; ``universal``: with ds_config's
+    ``checkpoint.load_universal``) at ``stage`` on this job's ranks and take the next step on
+    the batch the DeepSpeed run used (split over however many ranks there are now)."""
     _, saved_world, bf16, two_groups = CASES[case]
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build_model()
     config = ds_config(stage, world, bf16)
     config["train_micro_batch_size_per_gpu"] = MICRO * saved_world // world
     config["train_batch_size"] = MICRO * saved_world
+    config["checkpoint"] = {"load_universal": universal}
     engine, *_ = zerolap.initialize(
         model=model, model_parameters=param_groups(model, two_groups), config=config
     )
-    path, client_state = engine.load_checkpoint(str(HERE / case / "ckpt"))
+    path, client_state = engine.load_checkpoint(str(folder or HERE / case / "ckpt"), tag)
     steps_loaded = engine.global_steps
     pieces = [batch(STEPS + 1, r) for r in range(saved_world)]
     per_rank = saved_world // world

@@ -24,6 +24,7 @@ def ds_config(
     tp_overlap: str = "off",
     offload: bool = False,
     nvme: str | None = None,
+    universal: bool = False,
 ) -> dict:
     config = {
         "bf16": {"enabled": "auto"},
@@ -51,6 +52,8 @@ def ds_config(
         config["zero_optimization"]["offload_optimizer"] = {"device": "nvme", "nvme_path": nvme}
         config["zero_optimization"]["sub_group_size"] = 2000  # several sub-groups per bucket
         config["zero_optimization"]["reduce_bucket_size"] = 20000  # several buckets
+    if universal:  # resume from the folder ds_to_universal wrote
+        config["checkpoint"] = {"load_universal": True}
     if tp > 1:  # the Trainer calls deepspeed.tp_model_init, then initialize
         config["tensor_parallel"] = {"autotp_size": tp, "overlap": tp_overlap}
     if optimizer:  # else the Trainer hands its own torch optimizer to initialize()
@@ -126,6 +129,7 @@ def main() -> None:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume")
+    parser.add_argument("--universal", action="store_true", help="checkpoint.load_universal")
     parser.add_argument("--init-out", help="save the initial weights here (save_pretrained)")
     parser.add_argument("--result", required=True)
     args = parser.parse_args()
@@ -153,6 +157,7 @@ def main() -> None:
             tp_overlap=args.tp_overlap,
             offload=args.offload_apart,
             nvme=args.nvme,
+            universal=args.universal,
         )
         if args.stage >= 0
         else None,

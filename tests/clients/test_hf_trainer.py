@@ -12,11 +12,13 @@ one DeepSpeed-backed accelerator per process.
 from __future__ import annotations
 
 import functools
+import shutil
 
 import pytest
 import torch
 
 from tests.clients.launch import launch
+from zerolap.checkpoint.universal import write_universal
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -68,6 +70,11 @@ def runs(tmp_path_factory):
         "llama stage 2 resumed": [
             *llama_model, "--stage", "2", "--ds-optimizer", "--resume", checkpoint["llama stage 3"]
         ],
+        # A copy of that checkpoint holding only its universal form (``ds_to_universal``).
+        "llama stage 1 resumed from universal": [
+            *llama_model, "--stage", "1", "--ds-optimizer", "--universal",
+            "--resume", str(root / "universal" / "checkpoint-2"),
+        ],
         "gpt2 no dropout plain": undropped_model,
         "gpt2 tp 2 x dp 2": [
             *undropped_model, "--stage", "1", "--ds-optimizer", "--tp", "2",
@@ -90,6 +97,7 @@ def runs(tmp_path_factory):
         "gpt2 stage 3 resumed": "gpt2 stage 3",
         "llama plain": "llama stage 3",
         "llama stage 2 resumed": "llama stage 3",
+        "llama stage 1 resumed from universal": "llama stage 3",
         "llama plain, no accumulation": "llama stage 3",
         "llama sp 2, stage 2": "llama stage 3",
         "llama sp 2, stage 3": "llama stage 3",
@@ -99,6 +107,11 @@ def runs(tmp_path_factory):
     def run(name: str) -> dict:
         if name in needs:
             run(needs[name])
+        if name == "llama stage 1 resumed from universal":
+            copy = shutil.copytree(checkpoint["llama stage 3"], root / "universal" / "checkpoint-2")
+            write_universal(copy / "global_step2", copy / "global_step2_universal")
+            shutil.rmtree(copy / "global_step2")
+            (copy / "latest").unlink()
         out = root / name
         return launch(
             "hf_trainer.py",
@@ -189,6 +202,11 @@ def test_from_config_under_stage_3_shards_as_it_builds_and_trains_as_plain_ddp(r
 
 def test_a_stage_3_checkpoint_resumes_at_stage_2(runs):
     resumed, full = runs("llama stage 2 resumed"), runs("llama stage 3")
+    _close(resumed["losses"], full["losses"], (3, 4))
+
+
+def test_a_universal_checkpoint_resumes_through_the_trainer(runs):
+    resumed, full = runs("llama stage 1 resumed from universal"), runs("llama stage 3")
     _close(resumed["losses"], full["losses"], (3, 4))
 
 

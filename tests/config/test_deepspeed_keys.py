@@ -27,9 +27,10 @@ def test_deepspeed_only_keys_are_accepted_stored_and_reported():
 
 
 def test_checkpoint_section_checks_its_tag_mode_and_names_storage_options():
-    config = load({"checkpoint": {"tag_validation": "fail", "load_universal": True}})
+    config = load({"checkpoint": {"tag_validation": "fail", "use_node_local_storage": True}})
     assert config.checkpoint.tag_validation == "FAIL"
-    assert config.unsupported_keys() == ["checkpoint.load_universal"]
+    assert config.unsupported_keys() == ["checkpoint.use_node_local_storage"]
+    assert load({"checkpoint": {"load_universal": True}}).unsupported_keys() == []
     assert "checkpoint.tag_validation" in load_error({"checkpoint": {"tag_validation": "Maybe"}})
     assert "checkpoint.tag_validaton" in load_error({"checkpoint": {"tag_validaton": "Warn"}})
 

@@ -61,7 +61,17 @@ import torch
 from zerolap.checkpoint.files import MODEL_FILE, CheckpointError
 from zerolap.checkpoint.shards import Segment
 
-__all__ = ["LoadingModel", "is_deepspeed_checkpoint", "read_deepspeed"]
+__all__ = [
+    "LoadingModel",
+    "files_by_rank",
+    "frozen_pieces",
+    "hyperparameters",
+    "is_deepspeed_checkpoint",
+    "load_file",
+    "loss_scaler_of",
+    "read_deepspeed",
+    "zerolap_form",
+]
 
 ZERO3_MODEL_GLOB = "zero_pp_rank_*_mp_rank_00_model_states.pt"
 OPTIM_GLOB = "*zero_pp_rank_*_mp_rank_00_optim_states.pt"  # "bf16_" prefixed under bf16
@@ -96,7 +106,7 @@ _LOOK_ALIKES = [
 ]
 
 
-def _load(path: Path) -> dict:
+def load_file(path: Path) -> dict:
     try:
         with torch.serialization.safe_globals(_LOOK_ALIKES):
             return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
@@ -108,7 +118,7 @@ def _rank_of(path: Path) -> int:
     return int(re.search(r"zero_pp_rank_(\d+)_", path.name).group(1))
 
 
-def _by_rank(folder: Path, pattern: str) -> list[Path]:
+def files_by_rank(folder: Path, pattern: str) -> list[Path]:
     return sorted(folder.glob(pattern), key=_rank_of)
 
 
@@ -117,7 +127,7 @@ def is_deepspeed_checkpoint(folder: Path, model_states: dict | None = None) -> b
     ``mp_rank_00_model_states.pt``, when already read)."""
     if model_states is not None:
         return "ds_version" in model_states
-    return bool(_by_rank(folder, ZERO3_MODEL_GLOB))
+    return bool(files_by_rank(folder, ZERO3_MODEL_GLOB))
 
 
 def _pieces_of(flat: torch.Tensor, state: dict, shapes: dict, paddings=None):
@@ -184,7 +194,7 @@ def _expert_weights(folder: Path) -> dict[str, torch.Tensor]:
                 f"{folder} holds experts split by tensor parallelism ({path.name}), which are "
                 "not read; zerolap reads DeepSpeed MoE checkpoints saved without it"
             )
-        out.update(_load(path))
+        out.update(load_file(path))
     return out
 
 
@@ -351,12 +361,12 @@ def _zero0_experts(
     found = []
     for e, path in enumerate(paths):
         groups = _ep_rank_groups(client_groups, e, local_experts)
-        entries = _zero0(model, groups, _load(path)["optimizer"])
+        entries = _zero0(model, groups, load_file(path)["optimizer"])
         found += [f for f in entries if e == 0 or _EXPERT_NAME.fullmatch(f[1])]
     return found
 
 
-def _frozen_pieces(models: list[dict]) -> list[tuple[str, torch.Tensor]]:
+def frozen_pieces(models: list[dict]) -> list[tuple[str, torch.Tensor]]:
     """Stage 3's frozen parameters, reassembled from every rank's fragments."""
     shapes = models[0].get("frozen_param_shapes") or {}
     out = []
@@ -367,7 +377,7 @@ def _frozen_pieces(models: list[dict]) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def _loss_scaler(optims: list[dict]) -> dict | None:
+def loss_scaler_of(optims: list[dict]) -> dict | None:
     """DeepSpeed's fp16 loss-scaler state as zerolap's (None when static at 1)."""
     scaler = optims[0].get("loss_scaler") if optims else None
     attributes = getattr(scaler, "__dict__", {})
@@ -392,14 +402,16 @@ def read_deepspeed(folder: Path, loading: LoadingModel | None = None) -> tuple[d
     if layers:
         first, optims, stage, params, unnamed = _read_pipeline(folder, layers, loading)
     else:
-        zero3_models = _by_rank(folder, ZERO3_MODEL_GLOB)
+        zero3_models = files_by_rank(folder, ZERO3_MODEL_GLOB)
         model_paths = zero3_models or [folder / MODEL_FILE]
-        models = [_load(path) for path in model_paths]
+        models = [load_file(path) for path in model_paths]
         first = models[0]
         experts = _expert_weights(folder)
         if experts:
             first = {**first, "module": {**first["module"], **experts}}
-        optims = [_load(path)["optimizer_state_dict"] for path in _by_rank(folder, OPTIM_GLOB)]
+        optims = [
+            load_file(path)["optimizer_state_dict"] for path in files_by_rank(folder, OPTIM_GLOB)
+        ]
         local_experts = {}
         if experts:
             # The expert-parallel size: the experts' optimizer files (stage 0), or the ranks
@@ -409,7 +421,7 @@ def read_deepspeed(folder: Path, loading: LoadingModel | None = None) -> tuple[d
             local_experts = _local_experts(experts, ep_size)
         if optims and int(optims[0].get("zero_stage", 1)) == 3:
             stage, params = 3, _zero3(first, optims)
-            frozen = _frozen_pieces(models)
+            frozen = frozen_pieces(models)
         elif optims:
             stage = int(optims[0].get("zero_stage", 1))
             params = _zero12(first, optims, local_experts)
@@ -419,6 +431,30 @@ def read_deepspeed(folder: Path, loading: LoadingModel | None = None) -> tuple[d
             stage, params = 0, _zero0(first, client_groups)
             if first.get("optimizer") is not None and not _known_layout(first["optimizer"]):
                 unnamed = [f"{MODEL_FILE} (an optimizer layout not read: {_UNREAD_LAYOUT})"]
+    return zerolap_form(
+        first,
+        params,
+        frozen,
+        stage=stage,
+        loss_scaler=loss_scaler_of(optims),
+        groups=_param_groups(first, optims),
+        unnamed=unnamed,
+    )
+
+
+def zerolap_form(
+    first: dict,
+    params: list[tuple[int, str, torch.Tensor, dict]],
+    frozen: list[tuple[str, torch.Tensor]],
+    *,
+    stage: int,
+    loss_scaler: dict | None,
+    groups: list[dict],
+    unnamed: list[str] | None = None,
+) -> tuple[dict, list[dict]]:
+    """A DeepSpeed checkpoint as zerolap's (model states, [shard]): ``first`` its (first)
+    model-states file, ``params`` (group, name, fp32 values, state) per whole trainable
+    parameter, ``frozen`` (name, fp32 values) for stage 3's frozen ones."""
     runs = [
         {"group": g, "segments": [Segment(n, 0, v.numel(), 0)], "values": v, "state": s}
         for g, n, v, s in params
@@ -449,12 +485,11 @@ def read_deepspeed(folder: Path, loading: LoadingModel | None = None) -> tuple[d
         "micro_steps": first["global_steps"] * accumulation,
         "skipped_steps": first.get("skipped_steps", 0),
         "lr_scheduler": first.get("lr_scheduler"),
-        "loss_scaler": _loss_scaler(optims),
+        "loss_scaler": loss_scaler,
         "client_state": {k: v for k, v in first.items() if k not in _DEEPSPEED_KEYS},
         "ds_config": config,
-        "unnamed": unnamed,
+        "unnamed": unnamed or [],
     }
-    groups = _param_groups(first, optims)
     return saved, [{"runs": runs, "param_groups": groups, "rng": None}]
 
 
@@ -550,7 +585,7 @@ def _stage_files(folder: Path) -> list[dict]:
         for p in folder.glob("mp_rank_*_model_states.pt")
     )
     numbers, paths = [n for n, _ in numbered], [p for _, p in numbered]
-    models = [_load(path) for path in paths]
+    models = [load_file(path) for path in paths]
     dims = (models[0].get("checkpoint_parallel_dimensions") or {}) if models else {}
     stages = dims.get("pp_degree", len(paths))
     if numbers != list(range(stages)):
@@ -565,14 +600,14 @@ def _stage_files(folder: Path) -> list[dict]:
 def _stage_optims(folder: Path, stage: int, model: dict) -> list[dict]:
     """Pipeline stage ``stage``'s ZeRO optimizer files, in data-parallel rank order, all of
     them (one per data-parallel rank)."""
-    paths = _by_rank(folder, f"*zero_pp_rank_*_mp_rank_{stage:02d}_optim_states.pt")
+    paths = files_by_rank(folder, f"*zero_pp_rank_*_mp_rank_{stage:02d}_optim_states.pt")
     expected = model.get("dp_world_size", len(paths))
     if paths and len(paths) != expected:
         raise CheckpointError(
             f"{folder}: pipeline stage {stage} of this DeepSpeed checkpoint has "
             f"{len(paths)} optimizer files for {expected} data-parallel ranks"
         )
-    return [_load(path)["optimizer_state_dict"] for path in paths]
+    return [load_file(path)["optimizer_state_dict"] for path in paths]
 
 
 def _prefixes(layers: dict[int, Path], layer_prefixes: list[str] | None) -> list[str]:
@@ -592,7 +627,7 @@ def _layer_weights(layers: dict[int, Path], prefixes: list[str]) -> dict[str, to
     every layer that calls it without a ``forward_fn``, all equal: the first is kept."""
     module: dict[str, torch.Tensor] = {}
     for index, path in layers.items():
-        for key, tensor in _load(path).items():
+        for key, tensor in load_file(path).items():
             module.setdefault(prefixes[index] + key, tensor)
     return module
 
@@ -714,5 +749,9 @@ def _param_groups(model: dict, optims: list[dict]) -> list[dict]:
     else:
         inner = model.get("optimizer") or {}
         inner = inner.get("optimizer_state_dict", inner)
-    groups = inner.get("param_groups", []) if isinstance(inner, dict) else []
+    return hyperparameters(inner.get("param_groups", []) if isinstance(inner, dict) else [])
+
+
+def hyperparameters(groups: list[dict]) -> list[dict]:
+    """Saved param groups without their parameter indices (and DeepSpeed's unused step)."""
     return [{k: v for k, v in g.items() if k not in ("params", "step")} for g in groups]

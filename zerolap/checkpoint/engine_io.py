@@ -44,6 +44,7 @@ import torch
 import zerolap.comm as dist
 from zerolap.checkpoint.deepspeed_format import LoadingModel
 from zerolap.checkpoint.files import (
+    LATEST,
     MODEL_FILE,
     CheckpointError,
     find_latest,
@@ -65,11 +66,13 @@ from zerolap.checkpoint.shards import (
     SegmentIndex,
     collect_runs,
     collect_unoptimized,
+    gather_state,
     param_segments,
     restore_rng,
     rng_state,
     segments_of,
 )
+from zerolap.checkpoint.universal import LATEST_UNIVERSAL
 from zerolap.moe.parallel import global_expert_names
 from zerolap.utils.logging import logger
 from zerolap.zero.status import full_shape
@@ -496,6 +499,29 @@ def _unnamed_state(engine, saved: dict, shards: list[dict]) -> str | None:
     )
 
 
+def _latest_file(engine, load_dir: Path) -> str:
+    """The file naming the tag to load when none is given: ``latest``, or under ds_config's
+    ``checkpoint.load_universal`` the ``latest_universal`` that DeepSpeed's converter writes.
+    Without that file, ``latest`` serves (every checkpoint zerolap reads loads at any world
+    size), with a line saying so; with neither, DeepSpeed's error."""
+    if not engine._config.checkpoint.load_universal:
+        return LATEST
+    if (load_dir / LATEST_UNIVERSAL).is_file():
+        return LATEST_UNIVERSAL
+    if (load_dir / LATEST).is_file():
+        if dist.get_rank() == 0:
+            logger.info(
+                f"checkpoint.load_universal: {load_dir} has no {LATEST_UNIVERSAL} file; loading "
+                f"the tag its {LATEST!r} names, which loads at any world size and stage as it is"
+            )
+        return LATEST
+    raise CheckpointError(
+        f"checkpoint.load_universal is set, but {load_dir / LATEST_UNIVERSAL} does not exist: "
+        "convert a checkpoint with `python -m deepspeed.checkpoint.ds_to_universal`, or pass "
+        "its tag"
+    )
+
+
 def _read_whole(
     engine, load_dir: Path, tag, optimizer_wanted: bool = True
 ) -> tuple[Path, dict, list[dict]] | None:
@@ -509,10 +535,11 @@ def _read_whole(
     sees has changed since it began, all ranks read again the save now published (a save is
     visible only whole); when none has, a disagreement is damage, and an error."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    latest = _latest_file(engine, load_dir) if tag is None else LATEST
     for _ in range(READ_ATTEMPTS):
         name = folder = saved = shards = problem = began = None
         try:
-            name = str(tag) if tag is not None else find_latest(load_dir)
+            name = str(tag) if tag is not None else find_latest(load_dir, latest)
             if name is not None:
                 folder = tag_folder(load_dir, name, who=f"rank {rank}: ")
                 began = saved_identity(folder)
@@ -526,7 +553,7 @@ def _read_whole(
             # as a re-save moved the folder aside) is one.
             problem = str(err)
         try:
-            now = find_latest(load_dir) if tag is None else name
+            now = find_latest(load_dir, latest) if tag is None else name
             moved = now != name or (now is not None and tag_identity(load_dir, now) != began)
             # Read from ``<tag>.old`` while a re-save was between its two renames: what failed
             # there was being moved away.
@@ -601,11 +628,6 @@ def _check_same_model(engine, saved: dict, path: Path, strict: bool, params: dic
             f"{path}: {len(missing) - len(trainable)} frozen parameters are not in the "
             "checkpoint (saved without them) and keep their values"
         )
-
-
-def _per_element(value, numel: int) -> bool:
-    """Optimizer state that has one entry per element (Adam's moments), not per run (step)."""
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel
 
 
 def _load_module_states(
@@ -686,31 +708,6 @@ def _load_master(engine, params: SavedParams, names: list[str]) -> None:
                 params.fill(seg.name, seg.param_start, seg.param_end, values[at : at + seg.numel])
 
 
-def _run_state(run, values, segments, index: SegmentIndex) -> dict:
-    """The optimizer state of one run, gathered from the saved pieces of the same parameter
-    elements: per-element tensors piece by piece, per-run entries (Adam's step) from one."""
-    numel = run.end - run.start
-    state: dict = {}
-    source = None
-    for segment in segments:
-
-        def put(saved, src, dst, count, base=segment.run_offset):
-            for key, tensor in saved["state"].items():
-                if _per_element(tensor, saved["values"].numel()):
-                    # In the dtype of the values it goes with, as torch's load_state_dict casts:
-                    # fp32 moments saved beside an fp32 master load beside bf16 masters.
-                    dtype = values.dtype if tensor.is_floating_point() else tensor.dtype
-                    target = state.setdefault(key, torch.zeros(numel, dtype=dtype))
-                    target[base + dst : base + dst + count] = tensor[src : src + count]
-
-        source = index.fill(segment.name, segment.param_start, segment.param_end, put) or source
-    if source is not None:
-        for key, value in source["state"].items():
-            if key not in state:
-                state[key] = value.clone() if isinstance(value, torch.Tensor) else value
-    return {k: v.to(values.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-
-
 def _load_optimizer_state(engine, index: SegmentIndex, shards: list[dict], names) -> None:
     optimizer = engine.optimizer
     splits = _splits(engine, names)
@@ -718,7 +715,10 @@ def _load_optimizer_state(engine, index: SegmentIndex, shards: list[dict], names
         run = optimizer.runs[i]
         segments = segments_of(engine.layout, names, run.start, run.end, splits)
         state.clear()
-        state.update(_run_state(run, values, segments, index))
+        found = gather_state(run.end - run.start, values.dtype, segments, index)
+        state.update(
+            (k, v.to(values.device) if isinstance(v, torch.Tensor) else v) for k, v in found.items()
+        )
     saved_groups = shards[0]["param_groups"]
     if len(saved_groups) != len(optimizer.param_groups):
         # Saved before empty param groups were dropped (as DeepSpeed drops them): the groups

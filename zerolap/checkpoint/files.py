@@ -36,6 +36,7 @@ import torch
 logger = logging.getLogger("zerolap")
 
 __all__ = [
+    "LATEST",
     "MODEL_FILE",
     "CheckpointError",
     "find_latest",
@@ -212,8 +213,9 @@ def _write_text(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def publish(save_dir: Path, tag: str, *, save_latest: bool) -> None:
-    """Rank 0, after every rank wrote its files: ``<tag>.partial`` becomes ``<tag>``."""
+def publish(save_dir: Path, tag: str, *, save_latest: bool, latest: str = LATEST) -> None:
+    """Rank 0, after every rank wrote its files: ``<tag>.partial`` becomes ``<tag>``, and
+    the file ``latest`` names it when ``save_latest``."""
     final, staged = save_dir / tag, partial_dir(save_dir, tag)
     old = save_dir / f"{tag}.old"
     if final.exists():
@@ -226,7 +228,7 @@ def publish(save_dir: Path, tag: str, *, save_latest: bool) -> None:
         os.replace(staged, final)
     shutil.rmtree(old, ignore_errors=True)  # also what an interrupted re-save left aside
     if save_latest:
-        _write_text(save_dir / LATEST, tag)
+        _write_text(save_dir / latest, tag)
     # The weights' recovery script beside the tags, where DeepSpeed leaves its own and where
     # transformers and Accelerate tell users to run it.
     script = save_dir / RECOVERY_SCRIPT
@@ -266,9 +268,10 @@ def tag_identity(load_dir: Path, tag: str) -> dict | None:
     return None if folder is None else saved_identity(folder)
 
 
-def find_latest(load_dir: Path) -> str | None:
-    """The tag ``load_dir/latest`` names, or None when there is no such file."""
-    path = load_dir / LATEST
+def find_latest(load_dir: Path, latest: str = LATEST) -> str | None:
+    """The tag ``load_dir/latest`` names (or the file named ``latest``), or None when there is
+    no such file."""
+    path = load_dir / latest
     if not path.is_file():
         return None
     tag = path.read_text().strip()
@@ -297,10 +300,14 @@ def read_latest(load_dir: Path) -> str:
 def read_checkpoint(folder: Path, loading=None, *, hashed: bool = False) -> tuple[dict, list[dict]]:
     """The model states and every rank's shard of the checkpoint in ``folder``, saved by
     zerolap or by DeepSpeed (converted to zerolap's form, ``checkpoint.deepspeed_format``,
-    with what the ``loading`` engine knows of its model: a ``LoadingModel``). Its files'
+    with what the ``loading`` engine knows of its model: a ``LoadingModel``), or converted by
+    DeepSpeed's ``ds_to_universal`` (``checkpoint.universal``). Its files'
     bytes are checked against their digests unless the caller did (``hashed``)."""
     from zerolap.checkpoint.deepspeed_format import is_deepspeed_checkpoint, read_deepspeed
+    from zerolap.checkpoint.universal import is_universal_checkpoint, read_universal
 
+    if is_universal_checkpoint(folder):
+        return read_universal(folder)
     if not (folder / MODEL_FILE).is_file() and is_deepspeed_checkpoint(folder):
         return read_deepspeed(folder, loading)  # stage 3: one model file per rank
     if hashed:

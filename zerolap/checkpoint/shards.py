@@ -29,6 +29,7 @@ __all__ = [
     "SegmentIndex",
     "collect_runs",
     "collect_unoptimized",
+    "gather_state",
     "param_segments",
     "restore_rng",
     "rng_state",
@@ -189,6 +190,37 @@ class SavedParams:
         full = torch.empty(self.numel(name), dtype=torch.float32)
         self.fill(name, 0, full.numel(), full)
         return full.view(self.shapes[name])
+
+
+def _per_element(value, numel: int) -> bool:
+    """Optimizer state that has one entry per element (Adam's moments), not per run (step)."""
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel
+
+
+def gather_state(numel: int, dtype: torch.dtype, segments: list[Segment], index) -> dict:
+    """The optimizer state of ``numel`` elements whose values are ``dtype`` (a run, or one
+    whole parameter), gathered from the saved pieces of the same parameter elements
+    (``segments``, found in the ``SegmentIndex``): per-element tensors piece by piece,
+    per-run entries (Adam's step) from one."""
+    state: dict = {}
+    source = None
+    for segment in segments:
+
+        def put(saved, src, dst, count, base=segment.run_offset):
+            for key, tensor in saved["state"].items():
+                if _per_element(tensor, saved["values"].numel()):
+                    # In the dtype of the values it goes with, as torch's load_state_dict casts:
+                    # fp32 moments saved beside an fp32 master load beside bf16 masters.
+                    kind = dtype if tensor.is_floating_point() else tensor.dtype
+                    target = state.setdefault(key, torch.zeros(numel, dtype=kind))
+                    target[base + dst : base + dst + count] = tensor[src : src + count]
+
+        source = index.fill(segment.name, segment.param_start, segment.param_end, put) or source
+    if source is not None:
+        for key, value in source["state"].items():
+            if key not in state:
+                state[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return state
 
 
 def rng_state() -> dict:

@@ -7,11 +7,12 @@
 Each case trains ``model.STEPS`` steps on 2 gloo ranks and saves ``<case>/ckpt``; then it takes
 one more step and saves in ``<case>/expected.pt`` what a resumed run must reproduce: that step's
 loss (the mean over ranks) and the fp32 parameters after it, plus the fp32 parameters in the
-checkpoint itself. The pipeline cases (``pipe_model``) do the same with ``train_batch``, on
-stages x data-parallel ranks, and keep every parameter by name (a tied one from its first
-stage); the mixture-of-experts cases (``moe_model``) keep every parameter by its global name
-(each expert from the first rank holding it). Not run by the tests (they read the files); kept
-to say how they were made.
+checkpoint itself; for the ``model.UNIVERSAL`` cases it then runs DeepSpeed's
+``ds_to_universal`` on the checkpoint. The pipeline cases (``pipe_model``) do the same with
+``train_batch``, on stages x data-parallel ranks, and keep every parameter by name (a tied one
+from its first stage); the mixture-of-experts cases (``moe_model``) keep every parameter by its
+global name (each expert from the first rank holding it). Not run by the tests (they read the
+files); kept to say how they were made.
 """
 
 from __future__ import annotations
@@ -184,6 +185,8 @@ def world_size(case: str) -> int:
 
 
 def launch(case: str) -> None:
+    from tests.checkpoint.deepspeed_0_19_8 import model
+
     world = world_size(case)
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -198,6 +201,21 @@ def launch(case: str) -> None:
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", case], env=env))
     if any(proc.wait() for proc in procs):
         raise SystemExit(f"{case}: a rank failed")
+    if case in model.UNIVERSAL:
+        to_universal(HERE / case / "ckpt" / f"global_step{model.STEPS}")
+
+
+def to_universal(folder: Path) -> None:
+    """DeepSpeed's own converter's output beside ``folder`` (``<tag>_universal`` and
+    ``latest_universal``). ``--inject_missing_state`` is how DeepSpeed's docs have
+    non-Megatron users run it: at stages 1-2 it asks for Megatron's layout notes otherwise."""
+    subprocess.run(
+        [
+            sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--inject_missing_state",
+            "--input_folder", str(folder), "--output_folder", f"{folder}_universal",
+        ],
+        check=True,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ CASES = {  # name: (ZeRO stage, world size, bf16, two param groups)
     "s3_ws2": (3, 2, False, False),
     "s3_ws2_2g": (3, 2, False, True),
 }
+UNIVERSAL = ("s2_ws2", "s2_ws2_bf16", "s3_ws2_2g")  # also converted by ds_to_universal
 
 
 class TinyNet(torch.nn.Module):

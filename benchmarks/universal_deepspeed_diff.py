@@ -1,0 +1,132 @@
+"""A zerolap run resumed by real DeepSpeed 0.19.8 through a universal checkpoint, at other
+data-parallel sizes and ZeRO stages than it was saved at.
+
+Run from the repo root: ``python benchmarks/universal_deepspeed_diff.py --deepspeed-python
+/tmp/dsenv/bin/python`` (``benchmarks/deepspeed_diff.py --make-env`` makes that environment).
+
+zerolap trains the model of ``tests/checkpoint/deepspeed_0_19_8`` (tied embedding, frozen
+parameter, odd sizes) for 3 steps on 2 ranks at ZeRO stage ``--stage``, saves, and takes a
+4th step: its loss and parameters are the reference. zerolap's ``ds_to_universal`` converts the
+checkpoint; then DeepSpeed loads the converted folder (``checkpoint.load_universal``) on 1 and
+2 ranks at stages 1, 2 and 3 and takes the 4th step on the same global batch. Printed per
+resume: the 4th step's loss and largest parameter difference from zerolap's own 4th step
+(DeepSpeed's Adam and torch's differ in the last bits of fp32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.deepspeed_diff import launch_ranks
+
+RESUMES = [(1, 1), (1, 2), (2, 1), (2, 2), (3, 1), (3, 2)]  # (ZeRO stage, ranks)
+
+
+def _step(engine, number: int, saved_world: int):
+    """Step ``number`` on the micro-batches the saved run's ranks would take, split over the
+    ranks there are now; the loss averaged over ranks."""
+    import torch
+
+    from tests.checkpoint.deepspeed_0_19_8.model import batch
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    per_rank = saved_world // world
+    mine = [batch(number, r) for r in range(rank * per_rank, (rank + 1) * per_rank)]
+    loss = engine(torch.cat([x for x, _ in mine]), torch.cat([y for _, y in mine]))
+    engine.backward(loss)
+    engine.step()
+    mean = loss.detach().float().reshape(1)
+    torch.distributed.all_reduce(mean)
+    return mean.item() / world
+
+
+def worker(library: str, root: Path, stage: int, saved_world: int) -> None:
+    import torch
+
+    from tests.checkpoint.deepspeed_0_19_8.model import MICRO, STEPS, build_model, ds_config
+
+    if library == "zerolap":
+        import zerolap as deepspeed
+    else:
+        import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    model = build_model()
+    config = ds_config(stage, world, False)
+    config["train_micro_batch_size_per_gpu"] = MICRO * saved_world // world
+    config["train_batch_size"] = MICRO * saved_world
+    config["checkpoint"] = {"load_universal": library == "deepspeed"}
+    engine, *_ = deepspeed.initialize(
+        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+        config=config,
+    )  # fmt: skip
+    if library == "zerolap":
+        for number in range(1, STEPS + 1):
+            _step(engine, number, saved_world)
+        engine.save_checkpoint(str(root / "ckpt"))
+    else:
+        engine.load_checkpoint(str(root / "ckpt"))
+    loss = _step(engine, STEPS + 1, saved_world)
+    params = {
+        n: safe_get_full_fp32_param(p).detach().clone()
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    }
+    if rank == 0:
+        torch.save({"loss": loss, "params": params}, root / f"{library}_s{stage}_w{world}.pt")
+        if library == "zerolap":
+            from zerolap.checkpoint.universal import write_universal
+
+            tag = root / "ckpt" / f"global_step{STEPS}"
+            write_universal(tag, tag.with_name(f"{tag.name}_universal"))
+    # An orderly exit: a DeepSpeed rank left to tear gloo down by itself at exit sometimes aborts.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--deepspeed-python", required=True)
+    parser.add_argument("--stage", type=int, default=2, help="the ZeRO stage zerolap trains at")
+    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        library, root, stage, saved_world = args.worker
+        worker(library, Path(root), int(stage), int(saved_world))
+        return 0
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+
+        def launch(python: str, library: str, stage: int, ranks: int) -> None:
+            launch_ranks(
+                python, Path(__file__), ["--deepspeed-python", "-", "--worker", library, tmp,
+                                         str(stage), "2"],
+                cwd=tmp, label=f"{library} stage {stage} on {ranks}", ranks=ranks,
+            )  # fmt: skip
+
+        launch(sys.executable, "zerolap", args.stage, 2)
+        want = torch.load(root / f"zerolap_s{args.stage}_w2.pt")
+        print(f"zerolap trained at stage {args.stage} on 2 ranks; its 4th-step loss "
+              f"{want['loss']:.6f}")  # fmt: skip
+        print("| DeepSpeed resumes at | 4th-step loss | loss gap | largest parameter gap |")
+        print("|---|---|---|---|")
+        for stage, ranks in RESUMES:
+            launch(args.deepspeed_python, "deepspeed", stage, ranks)
+            got = torch.load(root / f"deepspeed_s{stage}_w{ranks}.pt")
+            gap = max((got["params"][n] - v).abs().max().item() for n, v in want["params"].items())
+            print(f"| stage {stage}, {ranks} rank{'s' * (ranks > 1)} | {got['loss']:.6f} | "
+                  f"{abs(got['loss'] - want['loss']):.1e} | {gap:.1e} |")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,204 @@
+"""DeepSpeed's universal checkpoints (``ds_to_universal``'s output, in ``deepspeed_0_19_8/<case>/
+ckpt/global_step3_universal``, converted by DeepSpeed 0.19.8 itself) resumed by zerolap: the
+next step's loss and parameters must be DeepSpeed's own next step from the checkpoint before
+conversion, at the saved stage and size and at others. Then zerolap's own converter: its files
+equal DeepSpeed's converter's, and its output resumes and consolidates like its source (real
+DeepSpeed resuming it is ``benchmarks/universal_deepspeed_diff.py``)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.checkpoint.deepspeed_0_19_8.model import TinyNet
+from tests.checkpoint.test_deepspeed_format import HERE, TIMEOUT, _check, _expected, resume_and_step
+from zerolap.checkpoint import CheckpointError, get_fp32_state_dict
+from zerolap.checkpoint.deepspeed_format import load_file
+from zerolap.checkpoint.universal import write_universal
+
+TAG = "global_step3_universal"
+
+
+@pytest.mark.parametrize(
+    ("case", "stage", "world", "tolerance"),
+    [
+        ("s2_ws2", 2, 2, 1e-5),
+        ("s2_ws2", 3, 1, 1e-5),
+        ("s2_ws2_bf16", 2, 2, 2e-3),
+        ("s3_ws2_2g", 3, 2, 1e-5),
+        ("s3_ws2_2g", 1, 1, 1e-5),
+    ],
+)
+def test_a_universal_checkpoint_resumes_at_any_stage_and_size(ranks, case, stage, world, tolerance):
+    results = ranks(world).run(resume_and_step, case, stage, universal=True, timeout=TIMEOUT)
+    for result in results:
+        _check(result, case, tolerance)
+        assert Path(result["path"]).name == TAG  # latest_universal, not latest
+
+
+def test_a_universal_folder_loads_by_its_tag_without_the_key(ranks):
+    for result in ranks(2).run(resume_and_step, "s3_ws2_2g", 2, tag=TAG, timeout=TIMEOUT):
+        _check(result, "s3_ws2_2g", 1e-5)
+
+
+@pytest.mark.parametrize("case", ["s2_ws2", "s3_ws2_2g"])
+def test_a_universal_checkpoint_consolidates_to_deepspeeds_weights(case):
+    state = get_fp32_state_dict(HERE / case / "ckpt", TAG)
+    TinyNet().load_state_dict(state, strict=True)  # tied head, frozen parameter and buffer too
+    for name, value in _expected(case)["saved_params"].items():
+        assert torch.equal(state[name], value), name
+
+
+def _copy(tmp_path: Path, name: str = "ckpt") -> Path:
+    shutil.copytree(HERE / "s2_ws2" / "ckpt", tmp_path / name)
+    return tmp_path / name
+
+
+def test_load_universal_without_its_latest_file_falls_back_or_is_named(ranks, tmp_path):
+    ckpt = _copy(tmp_path)
+    (ckpt / "latest_universal").unlink()
+    # `latest` names DeepSpeed's own checkpoint, which loads at any size as it is.
+    for result in ranks(1).run(resume_and_step, "s2_ws2", 2, ckpt, universal=True):
+        _check(result, "s2_ws2", 1e-5)
+        assert Path(result["path"]).name == "global_step3"
+    (ckpt / "latest").unlink()
+    with pytest.raises(Exception, match=r"load_universal is set, but .*latest_universal does not"):
+        ranks(1).run(resume_and_step, "s2_ws2", 2, ckpt, universal=True, timeout=TIMEOUT)
+
+
+def _damaged(tmp_path: Path, name: str, damage) -> str:
+    ckpt = _copy(tmp_path, name)
+    damage(ckpt / TAG / "zero")
+    with pytest.raises(CheckpointError) as error:
+        get_fp32_state_dict(ckpt, TAG)
+    return str(error.value)
+
+
+def test_a_damaged_universal_file_is_named(tmp_path):
+    def cut(states):
+        path = states / "fc1.weight" / "exp_avg.pt"
+        saved = torch.load(path, weights_only=True)
+        torch.save({**saved, "param": saved["param"][:-1]}, path)
+
+    message = _damaged(tmp_path, "cut", cut)
+    assert message.endswith(
+        "cut/global_step3_universal/zero/fc1.weight/exp_avg.pt holds 468 elements; the "
+        "parameter has 481: the file is from another model, or the checkpoint from a "
+        "tensor-parallel run (not read)"
+    )
+    message = _damaged(tmp_path, "gone", lambda s: (s / "fc1.weight" / "fp32.pt").unlink())
+    assert message.endswith("gone/global_step3_universal/zero/fc1.weight/fp32.pt is missing")
+    message = _damaged(
+        tmp_path, "junk", lambda s: (s / "ln.weight" / "exp_avg_sq.pt").write_bytes(b"junk")
+    )
+    assert "junk/global_step3_universal/zero/ln.weight/exp_avg_sq.pt cannot be read" in message
+    message = _damaged(tmp_path, "step", lambda s: (s / "ln.bias" / "step.pt").unlink())
+    assert message.endswith("zero/ln.bias has optimizer state but no step count")
+
+
+# -- zerolap's ds_to_universal ------------------------------------------------------------------
+
+
+def test_zerolaps_converter_writes_what_deepspeeds_does(tmp_path):
+    ckpt = _copy(tmp_path)
+    write_universal(ckpt / "global_step3", ckpt / "mine")
+    assert (ckpt / "latest_universal").read_text() == "mine"
+    theirs, mine = ckpt / TAG / "zero", ckpt / "mine" / "zero"
+    for folder in theirs.iterdir():
+        if folder.is_dir() and (folder / "exp_avg.pt").is_file():  # trained: every file alike
+            assert sorted(p.name for p in folder.iterdir()) == sorted(
+                p.name for p in (mine / folder.name).iterdir()
+            )
+            for path in folder.glob("*.pt"):
+                want = torch.load(path, weights_only=True)
+                got = torch.load(mine / folder.name / path.name, weights_only=True)
+                if path.name == "step.pt":
+                    assert got == want == 3
+                else:
+                    assert torch.equal(got["param"], want["param"]), path
+                    assert got["cat_dim"] == want["cat_dim"] == 0
+    ours = torch.load(mine / "optimizer_state.pt", weights_only=True)
+    theirs = load_file(theirs / "optimizer_state.pt")  # DeepSpeed's classes, as look-alikes
+    # DeepSpeed's own groups also carry its unused group "step" (0).
+    assert ours["param_groups"] == [
+        {k: v for k, v in group.items() if k != "step"} for group in theirs["param_groups"]
+    ]
+    assert ours["optimizer_state_dict"]["state"] == {0: {"step": 3}}  # where stage 3 reads it
+
+
+def test_a_converted_checkpoint_resumes_at_another_stage(ranks, tmp_path):
+    ckpt = _copy(tmp_path)
+    write_universal(ckpt / "global_step3", ckpt / "mine")
+    for result in ranks(1).run(resume_and_step, "s2_ws2", 3, ckpt, universal=True):
+        _check(result, "s2_ws2", 1e-5)
+        assert Path(result["path"]).name == "mine"
+
+
+def train_and_save(folder: str, stage: int) -> None:
+    """zerolap trains the fixtures' model 3 steps at ``stage`` on this job's ranks and saves."""
+    import zerolap
+    import zerolap.comm as dist
+    from tests.checkpoint.deepspeed_0_19_8.model import batch, build_model, ds_config
+
+    model = build_model()
+    config = ds_config(stage, dist.get_world_size(), False)
+    engine, *_ = zerolap.initialize(model=model, model_parameters=model.parameters(), config=config)
+    for number in range(1, 4):
+        engine.backward(engine(*batch(number, dist.get_rank())))
+        engine.step()
+    engine.save_checkpoint(folder)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_zerolap_checkpoint_converts_whole(ranks, tmp_path, stage):
+    # Stage 3 lists its frozen parameter among the optimizer's pieces as well as frozen.
+    ranks(2).run(train_and_save, str(tmp_path), stage, timeout=TIMEOUT)
+    write_universal(tmp_path / "global_step3", tmp_path / "universal")
+    want = get_fp32_state_dict(tmp_path, "global_step3")
+    got = get_fp32_state_dict(tmp_path, "universal")
+    assert sorted(got) == sorted(want)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+    TinyNet().load_state_dict(got, strict=True)
+
+
+def test_a_conversion_that_fails_leaves_nothing(tmp_path, monkeypatch):
+    import zerolap.checkpoint.universal as universal
+
+    ckpt = _copy(tmp_path)
+    (ckpt / "latest_universal").unlink()
+    written = []
+
+    def failing(obj, path):
+        if len(written) == 5:
+            raise OSError(28, "No space left on device")
+        written.append(path)
+
+    monkeypatch.setattr(universal, "write", failing)
+    with pytest.raises(OSError, match="No space left"):
+        write_universal(ckpt / "global_step3", ckpt / "mine")
+    assert sorted(p.name for p in ckpt.iterdir()) == ["global_step3", TAG, "latest"]
+    with pytest.raises(CheckpointError, match=f"{TAG} exists: name a new folder"):
+        write_universal(ckpt / "global_step3", ckpt / TAG)
+    with pytest.raises(CheckpointError, match="cannot be named by parameter without the model"):
+        write_universal(HERE / "s0_ws2" / "ckpt" / "global_step3", tmp_path / "s0")
+
+
+def test_the_converter_answers_deepspeeds_command_line(tmp_path):
+    ckpt = _copy(tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+            str(ckpt / "global_step3"), "--output_folder", str(ckpt / "cli"),
+            "--num_extract_workers", "4", "--inject_missing_state",
+        ],
+        capture_output=True, text=True, timeout=TIMEOUT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "--num_extract_workers: no effect on zerolap's conversion" in done.stderr
+    assert (ckpt / "latest_universal").read_text() == "cli"

@@ -1,0 +1,292 @@
+"""DeepSpeed's "universal" checkpoints, the layout its ``ds_to_universal`` converter writes.
+
+DeepSpeed loads a checkpoint only at the data-parallel size it was saved at; to change it, its
+users convert the checkpoint (``python -m deepspeed.checkpoint.ds_to_universal --input_folder
+ckpt/global_step100 --output_folder ckpt/global_step100_universal``) and resume with ds_config's
+``checkpoint.load_universal``. The converted folder holds every parameter whole::
+
+    <save_dir>/latest_universal              the converted tag (``load_universal`` reads it)
+    <tag>/mp_rank_00_model_states.pt         the model states, copied (stage 3: each rank's
+                                             zero_pp_rank_<r>_mp_rank_00_model_states.pt)
+    <tag>/zero/optimizer_state.pt            the optimizer's scalars: param groups, loss scaler,
+                                             ZeRO stage (stage 3: rank 0's whole optimizer file)
+    <tag>/zero/<name>/fp32.pt                the parameter's fp32 values, and one file per Adam
+    <tag>/zero/<name>/exp_avg.pt             state, each ``{"param": tensor, "cat_dim": 0}``
+    <tag>/zero/<name>/exp_avg_sq.pt          (stages 1-2, shaped) or a bare flat tensor (stage 3)
+    <tag>/zero/<name>/step.pt                the step count (stages 1-2; at stage 3 it is in
+                                             optimizer_state.pt, per sub-group)
+
+zerolap reads it like DeepSpeed's own layout (``checkpoint.deepspeed_format``): each parameter
+is already whole, so it loads at any world size, stage and tensor-parallel size.
+
+``write_universal`` (``python -m deepspeed.checkpoint.ds_to_universal`` under the shim) writes
+the layout from any checkpoint zerolap reads, its own included, so that real DeepSpeed resumes
+a zerolap run, at any data-parallel size and ZeRO stage (``load_universal``). The files are
+what both of DeepSpeed's loaders look for: the model states under the stage-1/2 name and the
+stage-3 one, the step beside each parameter (stages 1-2) and in ``optimizer_state.pt`` (stage
+3). Two things do not cross: DeepSpeed's loss-scaler object (an fp16 run restarts its dynamic
+scale, as after ``load_optimizer_states=False``) and, as with DeepSpeed's own converter,
+frozen parameters and buffers, which DeepSpeed's universal load leaves as the model has them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from zerolap.aliases import DEEPSPEED_API
+from zerolap.checkpoint.consolidate import fp32_state_dict
+from zerolap.checkpoint.deepspeed_format import (
+    ZERO3_MODEL_GLOB,
+    files_by_rank,
+    frozen_pieces,
+    hyperparameters,
+    load_file,
+    loss_scaler_of,
+    zerolap_form,
+)
+from zerolap.checkpoint.files import (
+    MODEL_FILE,
+    CheckpointError,
+    partial_dir,
+    publish,
+    read_checkpoint,
+    write,
+)
+from zerolap.checkpoint.shards import SavedParams, Segment, SegmentIndex, gather_state
+
+__all__ = ["LATEST_UNIVERSAL", "is_universal_checkpoint", "read_universal", "write_universal"]
+
+LATEST_UNIVERSAL = "latest_universal"
+ZERO3_MODEL_FILE = "zero_pp_rank_0_mp_rank_00_model_states.pt"  # the name stage 3 loads
+STATES_DIR = "zero"
+GLOBAL_STATE = "optimizer_state.pt"
+_VALUES, _STEP = "fp32", "step"
+
+
+def is_universal_checkpoint(folder: Path) -> bool:
+    return (folder / STATES_DIR / GLOBAL_STATE).is_file()
+
+
+def _tensor(path: Path, numel: int) -> torch.Tensor:
+    """One per-element state of a parameter, flat, checked against the parameter's size."""
+    loaded = load_file(path)
+    tensor = loaded.get("param") if isinstance(loaded, dict) else loaded
+    if not isinstance(tensor, torch.Tensor):
+        raise CheckpointError(f"{path} holds no tensor (expected a tensor or {{'param': tensor}})")
+    if tensor.numel() != numel:
+        raise CheckpointError(
+            f"{path} holds {tensor.numel()} elements; the parameter has {numel}: the file is "
+            "from another model, or the checkpoint from a tensor-parallel run (not read)"
+        )
+    return tensor.reshape(-1)
+
+
+def _parameter(folder: Path, name: str, shape, step) -> tuple[torch.Tensor, dict]:
+    """A parameter's fp32 values and optimizer state from ``zero/<name>/`` (``step``: the
+    step count stage 3 keeps outside the parameter's folder, else None)."""
+    where = folder / STATES_DIR / name
+    numel = math.prod(shape)
+    if not (where / f"{_VALUES}.pt").is_file():
+        raise CheckpointError(
+            f"universal checkpoint {folder}: {where / f'{_VALUES}.pt'} is missing"
+        )
+    values = _tensor(where / f"{_VALUES}.pt", numel).float().clone()
+    state = {}
+    for path in sorted(where.glob("*.pt")):
+        if path.stem not in (_VALUES, _STEP):
+            state[path.stem] = _tensor(path, numel).float().clone()
+    if (where / f"{_STEP}.pt").is_file():
+        step = load_file(where / f"{_STEP}.pt")
+    if state:
+        if step is None:
+            raise CheckpointError(
+                f"universal checkpoint {folder}: {where} has optimizer state but no step count"
+            )
+        state[_STEP] = torch.tensor(float(step), dtype=torch.float32)
+    return values, state
+
+
+def read_universal(folder: Path) -> tuple[dict, list[dict]]:
+    """The universal checkpoint in ``folder`` as zerolap's (model states, [shard])."""
+    zero3_models = files_by_rank(folder, ZERO3_MODEL_GLOB)
+    if not zero3_models and not (folder / MODEL_FILE).is_file():
+        raise CheckpointError(
+            f"universal checkpoint {folder}: neither {MODEL_FILE} nor {ZERO3_MODEL_GLOB} is there "
+            "(ds_to_universal copies the model states beside zero/)"
+        )
+    models = [load_file(path) for path in zero3_models or [folder / MODEL_FILE]]
+    first = models[0]
+    scalars = load_file(folder / STATES_DIR / GLOBAL_STATE)
+    stage = int(scalars.get("zero_stage", 3 if zero3_models else 2))
+    params = []
+    if stage == 3:
+        # param_shapes lists sub-groups; the optimizer's groups list the sub-groups they hold.
+        inner = scalars["optimizer_state_dict"]
+        group_of = {i: g for g, pg in enumerate(inner["param_groups"]) for i in pg["params"]}
+        for i, shapes in enumerate(first["param_shapes"]):
+            step = inner["state"].get(i, {}).get(_STEP)
+            for name, shape in shapes.items():
+                params.append((group_of.get(i, 0), name, *_parameter(folder, name, shape, step)))
+        frozen = frozen_pieces(models)
+    else:
+        for g, shapes in enumerate(first["param_shapes"]):
+            for name, shape in shapes.items():
+                params.append((g, name, *_parameter(folder, name, shape, None)))
+        frozen = []  # whole in the copied module states
+    return zerolap_form(
+        first,
+        params,
+        frozen,
+        stage=stage,
+        loss_scaler=loss_scaler_of([scalars]),
+        groups=hyperparameters(scalars.get("param_groups", [])),
+    )
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+
+def _groups_of(saved: dict, shards: list[dict]) -> list[dict[str, torch.Size]]:
+    """The trainable parameters' shapes per optimizer param group, in the checkpoint's order
+    (DeepSpeed's ``param_shapes``)."""
+    group_of = {}
+    for shard in shards:
+        for run in shard["runs"]:
+            if run["group"] >= 0:
+                group_of.update((segment.name, run["group"]) for segment in run["segments"])
+    groups: list[dict[str, torch.Size]] = [
+        {} for _ in range(max(group_of.values(), default=-1) + 1)
+    ]
+    for name in saved["param_names"]:
+        if name in group_of:
+            groups[group_of[name]][name] = torch.Size(saved["param_shapes"][name])
+    return groups
+
+
+def _model_states(saved: dict, module: dict, groups: list[dict]) -> dict:
+    """DeepSpeed's model-states file for ``saved``: what its engine reads back (counters,
+    scheduler, client state) and what describes the model (shapes, ties, buffers)."""
+    aliases = {k: v for k, v in saved["aliases"].items() if k != v}
+    params = set(saved["aliases"]) | set(saved["frozen"])
+    return {
+        **saved["client_state"],
+        "module": module,
+        "buffer_names": [key for key in module if key not in params],
+        "param_shapes": groups,
+        "frozen_param_shapes": {n: torch.Size(module[n].shape) for n in saved["frozen"]},
+        "shared_params": aliases,
+        "lr_scheduler": saved["lr_scheduler"],
+        "global_steps": saved["global_steps"],
+        "global_samples": saved["global_samples"],
+        "skipped_steps": saved["skipped_steps"],
+        "dp_world_size": saved["world_size"],
+        "mp_world_size": 1,
+        "ds_config": saved.get("ds_config") or {},
+        "ds_version": DEEPSPEED_API,
+    }
+
+
+def _write_parameter(where: Path, values: torch.Tensor, state: dict) -> int | None:
+    """``zero/<name>/``: the fp32 values and each per-element state, shaped, as DeepSpeed's
+    converter writes them; the step count (returned) beside them."""
+    where.mkdir(parents=True)
+    write({"param": values, "cat_dim": 0}, where / f"{_VALUES}.pt")
+    step = None
+    for key, value in state.items():
+        if key == _STEP:
+            step = int(value.item() if isinstance(value, torch.Tensor) else value)
+            write(step, where / f"{_STEP}.pt")
+        elif isinstance(value, torch.Tensor) and value.numel() == values.numel():
+            write({"param": value.float().view(values.shape), "cat_dim": 0}, where / f"{key}.pt")
+    return step
+
+
+def write_universal(folder: Path, output: Path) -> None:
+    """The checkpoint in ``folder`` (zerolap's or DeepSpeed's) in the universal layout at
+    ``output``, then ``latest_universal`` beside it naming it. One parameter is held at a
+    time; the output appears whole or not at all."""
+    folder, output = Path(folder), Path(output)
+    if output.exists():
+        raise CheckpointError(f"{output} exists: name a new folder for the universal checkpoint")
+    saved, shards = read_checkpoint(folder)
+    index = SegmentIndex(shards)
+    params = SavedParams(saved, index)
+    groups = _groups_of(saved, shards)
+    if saved.get("unnamed") or not groups:
+        raise CheckpointError(
+            f"{folder}: its optimizer state cannot be named by parameter without the model "
+            f"(a DeepSpeed stage-0 checkpoint lists it by position: {saved.get('unnamed')}); "
+            "load it into a zerolap engine, save, and convert that"
+        )
+    staged = partial_dir(output.parent, output.name)
+    shutil.rmtree(staged, ignore_errors=True)  # an earlier conversion, interrupted
+    steps = []
+    try:
+        for name in dict.fromkeys([*saved["param_names"], *saved["frozen"]]):
+            if not params.has(name):
+                continue
+            values = params.whole_fp32(name)
+            segments = [Segment(name, 0, values.numel(), 0)]
+            state = gather_state(values.numel(), torch.float32, segments, index)
+            steps.append(_write_parameter(staged / STATES_DIR / name, values, state))
+        step = max((s for s in steps if s is not None), default=0)
+        hyper = [{**group, "params": [g]} for g, group in enumerate(shards[0]["param_groups"])]
+        scalars = {
+            "zero_stage": 2,  # the layout of param_shapes and step.pt, whatever stage saved it
+            "param_groups": hyper,
+            "partition_count": [saved["world_size"]] * len(hyper),
+            "ds_version": DEEPSPEED_API,
+            # DeepSpeed's stage 3 takes the step and hyperparameters from here.
+            "optimizer_state_dict": {
+                "state": {g: {_STEP: step} for g in range(len(hyper))},
+                "param_groups": hyper,
+            },
+        }
+        write(scalars, staged / STATES_DIR / GLOBAL_STATE)
+        module = fp32_state_dict(saved, params)
+        states = _model_states(saved, module, groups)
+        write(states, staged / MODEL_FILE)
+        write(states, staged / ZERO3_MODEL_FILE)
+    except BaseException:
+        shutil.rmtree(staged, ignore_errors=True)
+        raise
+    publish(output.parent, output.name, save_latest=True, latest=LATEST_UNIVERSAL)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m deepspeed.checkpoint.ds_to_universal --input_folder ckpt/global_step100
+    --output_folder ckpt/global_step100_universal``, with DeepSpeed's options."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--input_folder", type=Path, required=True, help="a checkpoint's tag")
+    parser.add_argument("--output_folder", type=Path, required=True, help="a new folder")
+    tuning = "DeepSpeed's option; zerolap converts in one pass, one parameter at a time"
+    parser.add_argument("--num_extract_workers", type=int, help=tuning)
+    parser.add_argument("--num_merge_workers", type=int, help=tuning)
+    parser.add_argument("--keep_temp_folder", action="store_true", help=tuning)
+    parser.add_argument(
+        "--inject_missing_state",
+        action="store_true",
+        help="DeepSpeed's option for checkpoints without Megatron's layout notes; zerolap "
+        "needs none",
+    )
+    parser.add_argument("--strict", action=argparse.BooleanOptionalAction, help=tuning)
+    args = parser.parse_args(argv)
+    moot = [
+        f"--{key}"
+        for key in ("num_extract_workers", "num_merge_workers", "keep_temp_folder", "strict")
+        if getattr(args, key) not in (None, False)
+    ]
+    if moot:
+        print(f"{', '.join(moot)}: no effect on zerolap's conversion ({tuning})", file=sys.stderr)
+    write_universal(args.input_folder, args.output_folder)
+    print(f"{args.output_folder}: written; {LATEST_UNIVERSAL} names it")
+
+
+if __name__ == "__main__":
+    main()
