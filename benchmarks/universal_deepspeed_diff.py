@@ -45,10 +45,18 @@ def _step(engine, number: int, saved_world: int):
     return mean.item() / world
 
 
-def worker(library: str, root: Path, stage: int, saved_world: int) -> None:
+def worker(library: str, root: Path, stage: int, saved_world: int, options: str) -> None:
     import torch
 
-    from tests.checkpoint.deepspeed_0_19_8.model import MICRO, STEPS, build_model, ds_config
+    from tests.checkpoint.deepspeed_0_19_8.model import (
+        LR,
+        MICRO,
+        STEPS,
+        WEIGHT_DECAY,
+        build_model,
+        ds_config,
+        param_groups,
+    )
 
     if library == "zerolap":
         import zerolap as deepspeed
@@ -63,10 +71,15 @@ def worker(library: str, root: Path, stage: int, saved_world: int) -> None:
     config["train_micro_batch_size_per_gpu"] = MICRO * saved_world // world
     config["train_batch_size"] = MICRO * saved_world
     config["checkpoint"] = {"load_universal": library == "deepspeed"}
+    groups = param_groups(model, "groups" in options)
+    groups = groups if "groups" in options else [p for p in groups if p.requires_grad]
+    optimizer = None
+    if "client" in options:  # the client's torch AdamW, as the Trainer passes by default
+        del config["optimizer"]
+        optimizer = torch.optim.AdamW(groups, lr=LR, weight_decay=WEIGHT_DECAY)
     engine, *_ = deepspeed.initialize(
-        model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-        config=config,
-    )  # fmt: skip
+        model=model, model_parameters=groups, optimizer=optimizer, config=config
+    )
     if library == "zerolap":
         for number in range(1, STEPS + 1):
             _step(engine, number, saved_world)
@@ -95,12 +108,25 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--deepspeed-python", required=True)
     parser.add_argument("--stage", type=int, default=2, help="the ZeRO stage zerolap trains at")
-    parser.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--client-optimizer", action="store_true", help="both sides step a client torch AdamW"
+    )
+    parser.add_argument(
+        "--two-groups", action="store_true", help="weight decay on matrices only (2 groups)"
+    )
+    parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        library, root, stage, saved_world = args.worker
-        worker(library, Path(root), int(stage), int(saved_world))
+        library, root, stage, saved_world, options = args.worker
+        worker(library, Path(root), int(stage), int(saved_world), options)
         return 0
+    options = ",".join(
+        [
+            "plain",
+            *(["client"] if args.client_optimizer else []),
+            *(["groups"] if args.two_groups else []),
+        ]
+    )
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -109,7 +135,7 @@ def main() -> int:
         def launch(python: str, library: str, stage: int, ranks: int) -> None:
             launch_ranks(
                 python, Path(__file__), ["--deepspeed-python", "-", "--worker", library, tmp,
-                                         str(stage), "2"],
+                                         str(stage), "2", options],
                 cwd=tmp, label=f"{library} stage {stage} on {ranks}", ranks=ranks,
             )  # fmt: skip
 

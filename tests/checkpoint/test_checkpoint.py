@@ -420,6 +420,14 @@ def check_errors(path: str) -> None:
     with captured_logs() as logs:  # DeepSpeed's behaviour: nothing to resume, no error
         assert engine.load_checkpoint(root / "t") == (None, None)
     assert any("no 'latest' file in" in m and str(root / "t") in m for m in logs), logs
+    if dist.get_rank() == 0:
+        (root / "t" / "latest").write_text("")  # cut short: an error, not "nothing to resume"
+    dist.barrier()
+    with pytest.raises(CheckpointError, match=r"t/latest is empty: it should name"):
+        engine.load_checkpoint(root / "t")
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (root / "t" / "latest").unlink()
     other = _engine(3, width=8)  # stage 3: its parameters' .data are empty
     with pytest.raises(
         CheckpointError, match=r"another model.*hidden.weight: saved \(16, 16\), model \(8, 8\)"

@@ -17,6 +17,7 @@ import torch
 
 from tests.checkpoint.deepspeed_0_19_8.model import TinyNet
 from tests.checkpoint.test_deepspeed_format import HERE, TIMEOUT, _check, _expected, resume_and_step
+from tests.logs import captured_logs
 from zerolap.checkpoint import CheckpointError, get_fp32_state_dict
 from zerolap.checkpoint.deepspeed_format import load_file
 from zerolap.checkpoint.universal import write_universal
@@ -59,13 +60,21 @@ def _copy(tmp_path: Path, name: str = "ckpt") -> Path:
     return tmp_path / name
 
 
+def logged_resume(folder) -> dict:
+    with captured_logs() as logs:
+        result = resume_and_step("s2_ws2", 2, folder, universal=True)
+    return {**result, "logs": logs}
+
+
 def test_load_universal_without_its_latest_file_falls_back_or_is_named(ranks, tmp_path):
     ckpt = _copy(tmp_path)
     (ckpt / "latest_universal").unlink()
     # `latest` names DeepSpeed's own checkpoint, which loads at any size as it is.
-    for result in ranks(1).run(resume_and_step, "s2_ws2", 2, ckpt, universal=True):
+    for result in ranks(1).run(logged_resume, ckpt, timeout=TIMEOUT):
         _check(result, "s2_ws2", 1e-5)
         assert Path(result["path"]).name == "global_step3"
+        (line,) = [m for m in result["logs"] if "no latest_universal file" in m]
+        assert line.startswith("INFO: checkpoint.load_universal: ") and "'latest' names" in line
     (ckpt / "latest").unlink()
     with pytest.raises(Exception, match=r"load_universal is set, but .*latest_universal does not"):
         ranks(1).run(resume_and_step, "s2_ws2", 2, ckpt, universal=True, timeout=TIMEOUT)
@@ -104,31 +113,48 @@ def test_a_damaged_universal_file_is_named(tmp_path):
 # -- zerolap's ds_to_universal ------------------------------------------------------------------
 
 
+def _files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*.pt"))
+
+
 def test_zerolaps_converter_writes_what_deepspeeds_does(tmp_path):
     ckpt = _copy(tmp_path)
     write_universal(ckpt / "global_step3", ckpt / "mine")
     assert (ckpt / "latest_universal").read_text() == "mine"
     theirs, mine = ckpt / TAG / "zero", ckpt / "mine" / "zero"
-    for folder in theirs.iterdir():
-        if folder.is_dir() and (folder / "exp_avg.pt").is_file():  # trained: every file alike
-            assert sorted(p.name for p in folder.iterdir()) == sorted(
-                p.name for p in (mine / folder.name).iterdir()
-            )
-            for path in folder.glob("*.pt"):
-                want = torch.load(path, weights_only=True)
-                got = torch.load(mine / folder.name / path.name, weights_only=True)
-                if path.name == "step.pt":
-                    assert got == want == 3
-                else:
-                    assert torch.equal(got["param"], want["param"]), path
-                    assert got["cat_dim"] == want["cat_dim"] == 0
-    ours = torch.load(mine / "optimizer_state.pt", weights_only=True)
-    theirs = load_file(theirs / "optimizer_state.pt")  # DeepSpeed's classes, as look-alikes
-    # DeepSpeed's own groups also carry its unused group "step" (0).
-    assert ours["param_groups"] == [
-        {k: v for k, v in group.items() if k != "step"} for group in theirs["param_groups"]
-    ]
-    assert ours["optimizer_state_dict"]["state"] == {0: {"step": 3}}  # where stage 3 reads it
+    # Every parameter's, alias's and buffer's files, as DeepSpeed's converter writes them.
+    assert _files(mine) == _files(theirs)
+    for name in _files(theirs):
+        want = load_file(theirs / name)
+        got = torch.load(mine / name, weights_only=True)
+        if name.endswith("step.pt"):  # a tensor, which torch's Adam needs (DeepSpeed: an int)
+            assert isinstance(got, torch.Tensor) and got.item() == want == 3
+        elif name.endswith("optimizer_state.pt"):
+            # DeepSpeed's groups also carry its unused group "step" (0).
+            assert got["param_groups"] == [
+                {k: v for k, v in group.items() if k != "step"} for group in want["param_groups"]
+            ]
+            assert got["optimizer_state_dict"]["state"] == {0: {"step": 3}}  # stage 3 reads it
+        else:
+            assert sorted(got) == sorted(want), name
+            assert torch.equal(got["param"], want["param"]), name
+
+
+def test_zerolaps_converter_takes_deepspeeds_stage_3_values(tmp_path):
+    ckpt = HERE / "s3_ws2_2g" / "ckpt"
+    with captured_logs() as logs:
+        write_universal(ckpt / "global_step3", tmp_path / "mine")
+    theirs, mine = ckpt / TAG / "zero", tmp_path / "mine" / "zero"
+    # DeepSpeed's stage-3 layout (flat tensors, the step in optimizer_state.pt) is read by
+    # both of its loaders in the stage 1-2 form zerolap writes, plus every parameter's step.
+    assert set(_files(theirs)) < set(_files(mine))
+    for name in _files(theirs):
+        if not name.endswith("optimizer_state.pt"):
+            want = torch.load(theirs / name, weights_only=True)
+            got = torch.load(mine / name, weights_only=True)["param"]
+            assert torch.equal(got.reshape(-1), want), name
+    (warning,) = [m for m in logs if m.startswith("WARNING")]
+    assert "param group 1 differs from group 0 in ['weight_decay']: DeepSpeed's ZeRO-3" in warning
 
 
 def test_a_converted_checkpoint_resumes_at_another_stage(ranks, tmp_path):
@@ -185,8 +211,17 @@ def test_a_conversion_that_fails_leaves_nothing(tmp_path, monkeypatch):
     assert sorted(p.name for p in ckpt.iterdir()) == ["global_step3", TAG, "latest"]
     with pytest.raises(CheckpointError, match=f"{TAG} exists: name a new folder"):
         write_universal(ckpt / "global_step3", ckpt / TAG)
-    with pytest.raises(CheckpointError, match="cannot be named by parameter without the model"):
+    with pytest.raises(CheckpointError, match="no optimizer state named by parameter"):
         write_universal(HERE / "s0_ws2" / "ckpt" / "global_step3", tmp_path / "s0")
+    with pytest.raises(CheckpointError, match=r"mixture-of-experts parameters \(.*deepspeed_exp"):
+        write_universal(HERE / "moe_s2_w4_ep2" / "ckpt" / "global_step2", tmp_path / "moe")
+
+
+def test_a_universal_checkpoint_of_several_model_files_is_refused(tmp_path):
+    folder = _copy(tmp_path) / TAG
+    shutil.copy(folder / "mp_rank_00_model_states.pt", folder / "mp_rank_01_model_states.pt")
+    with pytest.raises(CheckpointError, match="one model-states file per pipeline stage or"):
+        get_fp32_state_dict(tmp_path / "ckpt", TAG)
 
 
 def test_the_converter_answers_deepspeeds_command_line(tmp_path):
@@ -195,10 +230,10 @@ def test_the_converter_answers_deepspeeds_command_line(tmp_path):
         [
             sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
             str(ckpt / "global_step3"), "--output_folder", str(ckpt / "cli"),
-            "--num_extract_workers", "4", "--inject_missing_state",
+            "--num_extract_workers", "4", "--inject_missing_state", "--no_strict",
         ],
         capture_output=True, text=True, timeout=TIMEOUT,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
-    assert "--num_extract_workers: no effect on zerolap's conversion" in done.stderr
+    assert "--num_extract_workers, --no_strict: no effect on zerolap's conversion" in done.stderr
     assert (ckpt / "latest_universal").read_text() == "cli"

@@ -16,7 +16,7 @@ import torch
 from zerolap.checkpoint.files import read_checkpoint, read_latest, tag_folder
 from zerolap.checkpoint.shards import SavedParams, SegmentIndex
 
-__all__ = ["fp32_state_dict", "get_fp32_state_dict"]
+__all__ = ["get_fp32_state_dict"]
 
 
 def get_fp32_state_dict(
@@ -28,16 +28,7 @@ def get_fp32_state_dict(
     tag = tag if tag is not None else read_latest(checkpoint_dir)
     folder = tag_folder(checkpoint_dir, tag)
     saved, shards = read_checkpoint(folder)
-    return fp32_state_dict(
-        saved, SavedParams(saved, SegmentIndex(shards)), exclude_frozen_parameters
-    )
-
-
-def fp32_state_dict(
-    saved: dict, params: SavedParams, exclude_frozen_parameters: bool = False
-) -> dict[str, torch.Tensor]:
-    """``get_fp32_state_dict`` of a checkpoint already read (its model states, and its
-    parameters' saved elements)."""
+    params = SavedParams(saved, SegmentIndex(shards))
     built: dict[str, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
     frozen = set(saved.get("frozen", ())) if exclude_frozen_parameters else set()

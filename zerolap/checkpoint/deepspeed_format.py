@@ -62,6 +62,7 @@ from zerolap.checkpoint.files import MODEL_FILE, CheckpointError
 from zerolap.checkpoint.shards import Segment
 
 __all__ = [
+    "EXPERT_NAME",
     "LoadingModel",
     "files_by_rank",
     "frozen_pieces",
@@ -77,7 +78,7 @@ ZERO3_MODEL_GLOB = "zero_pp_rank_*_mp_rank_00_model_states.pt"
 OPTIM_GLOB = "*zero_pp_rank_*_mp_rank_00_optim_states.pt"  # "bf16_" prefixed under bf16
 EXPERT_GLOB = "layer_*_expert_*_mp_rank_*_model_states.pt"
 EXPERT_OPTIM_GLOB = "expp_rank_*_mp_rank_00_optim_states.pt"
-_EXPERT_NAME = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")
+EXPERT_NAME = re.compile(r"(.*\.deepspeed_experts\.)(\d+)(\..*)")
 
 # Top-level keys of DeepSpeed's model-states file; every other key is the client's state.
 _DEEPSPEED_KEYS = {
@@ -203,7 +204,7 @@ def _local_experts(experts: dict[str, torch.Tensor], ep_size: int) -> dict[str, 
     held."""
     indices: dict[str, set[int]] = {}
     for key in experts:
-        match = _EXPERT_NAME.fullmatch(key)
+        match = EXPERT_NAME.fullmatch(key)
         if match is not None:
             indices.setdefault(match.group(1), set()).add(int(match.group(2)))
     return {prefix: len(found) // ep_size for prefix, found in indices.items()}
@@ -212,7 +213,7 @@ def _local_experts(experts: dict[str, torch.Tensor], ep_size: int) -> dict[str, 
 def _global_name(name: str, ep_rank: int, local_experts: dict[str, int]) -> str:
     """``name`` as expert-parallel rank ``ep_rank`` called it, with its expert's global
     index."""
-    match = _EXPERT_NAME.fullmatch(name)
+    match = EXPERT_NAME.fullmatch(name)
     if match is None or match.group(1) not in local_experts:
         return name
     prefix, local, rest = match.groups()
@@ -229,7 +230,7 @@ def _ep_rank_groups(client_groups, ep_rank: int, local_experts: dict[str, int]):
         # its first expert's ``rests`` (the name's tail after the index) in order.
         listed, rests = [], {}
         for name, trains in group:
-            match = _EXPERT_NAME.fullmatch(name)
+            match = EXPERT_NAME.fullmatch(name)
             if match is None or match.group(1) not in local_experts:
                 listed.append((name, trains))
                 continue
@@ -362,7 +363,7 @@ def _zero0_experts(
     for e, path in enumerate(paths):
         groups = _ep_rank_groups(client_groups, e, local_experts)
         entries = _zero0(model, groups, load_file(path)["optimizer"])
-        found += [f for f in entries if e == 0 or _EXPERT_NAME.fullmatch(f[1])]
+        found += [f for f in entries if e == 0 or EXPERT_NAME.fullmatch(f[1])]
     return found
 
 

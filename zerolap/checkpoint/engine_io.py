@@ -499,17 +499,17 @@ def _unnamed_state(engine, saved: dict, shards: list[dict]) -> str | None:
     )
 
 
-def _latest_file(engine, load_dir: Path) -> str:
+def _latest_file(engine, load_dir: Path, say: bool) -> str:
     """The file naming the tag to load when none is given: ``latest``, or under ds_config's
     ``checkpoint.load_universal`` the ``latest_universal`` that DeepSpeed's converter writes.
     Without that file, ``latest`` serves (every checkpoint zerolap reads loads at any world
-    size), with a line saying so; with neither, DeepSpeed's error."""
+    size), with a line saying so when ``say``; with neither, an error naming it."""
     if not engine._config.checkpoint.load_universal:
         return LATEST
     if (load_dir / LATEST_UNIVERSAL).is_file():
         return LATEST_UNIVERSAL
     if (load_dir / LATEST).is_file():
-        if dist.get_rank() == 0:
+        if say and dist.get_rank() == 0:
             logger.info(
                 f"checkpoint.load_universal: {load_dir} has no {LATEST_UNIVERSAL} file; loading "
                 f"the tag its {LATEST!r} names, which loads at any world size and stage as it is"
@@ -535,10 +535,12 @@ def _read_whole(
     sees has changed since it began, all ranks read again the save now published (a save is
     visible only whole); when none has, a disagreement is damage, and an error."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    latest = _latest_file(engine, load_dir) if tag is None else LATEST
-    for _ in range(READ_ATTEMPTS):
+    for attempt in range(READ_ATTEMPTS):
         name = folder = saved = shards = problem = began = None
+        latest = LATEST
         try:
+            if tag is None:
+                latest = _latest_file(engine, load_dir, say=attempt == 0)
             name = str(tag) if tag is not None else find_latest(load_dir, latest)
             if name is not None:
                 folder = tag_folder(load_dir, name, who=f"rank {rank}: ")
@@ -561,7 +563,8 @@ def _read_whole(
         except CheckpointError:  # ``latest`` being rewritten by a non-atomic writer
             moved = True
         views: list = [None] * world
-        dist.all_gather_object(views, (name is None, problem, moved, began))
+        # "Nothing to load" only when finding it raised nothing (an error names what is wrong).
+        dist.all_gather_object(views, (name is None and problem is None, problem, moved, began))
         if all(view[0] for view in views):
             return None
         if any(view[2] for view in views):
@@ -582,9 +585,10 @@ def _read_whole(
                 "a filesystem every rank shares?"
             )
         return folder, saved, shards
+    which = repr(tag) if tag is not None else f"named by {latest!r}"
     raise CheckpointError(
-        f"checkpoint {tag!r} in {load_dir} was re-saved during each of {READ_ATTEMPTS} attempts "
-        "to read it"
+        f"the checkpoint {which} in {load_dir} changed during each of {READ_ATTEMPTS} attempts "
+        "to read it" + (f"; the last attempt: {problem}" if problem else "")
     )
 
 

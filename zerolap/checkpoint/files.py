@@ -53,6 +53,7 @@ __all__ = [
     "verify",
     "write",
     "write_checksums",
+    "write_text",
 ]
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
@@ -151,7 +152,7 @@ def digest(path: Path) -> str:
 
 def write_checksums(folder: Path, save: dict, digests: dict[str, str]) -> None:
     """``checksums.json``: the save's identity and the digest of every file, by name."""
-    _write_text(folder / CHECKSUMS, json.dumps({"save": save, "files": digests}, indent=1))
+    write_text(folder / CHECKSUMS, json.dumps({"save": save, "files": digests}, indent=1))
 
 
 def _recorded(folder: Path) -> tuple[dict, dict] | None:
@@ -207,15 +208,15 @@ def check_same_save(file: Path, payload: dict, save: dict | None) -> None:
         )
 
 
-def _write_text(path: Path, text: str) -> None:
+def write_text(path: Path, text: str) -> None:
+    """``text`` into ``path`` through a temporary name: readers see the old or the new."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
 
 
-def publish(save_dir: Path, tag: str, *, save_latest: bool, latest: str = LATEST) -> None:
-    """Rank 0, after every rank wrote its files: ``<tag>.partial`` becomes ``<tag>``, and
-    the file ``latest`` names it when ``save_latest``."""
+def publish(save_dir: Path, tag: str, *, save_latest: bool) -> None:
+    """Rank 0, after every rank wrote its files: ``<tag>.partial`` becomes ``<tag>``."""
     final, staged = save_dir / tag, partial_dir(save_dir, tag)
     old = save_dir / f"{tag}.old"
     if final.exists():
@@ -228,11 +229,11 @@ def publish(save_dir: Path, tag: str, *, save_latest: bool, latest: str = LATEST
         os.replace(staged, final)
     shutil.rmtree(old, ignore_errors=True)  # also what an interrupted re-save left aside
     if save_latest:
-        _write_text(save_dir / latest, tag)
+        write_text(save_dir / LATEST, tag)
     # The weights' recovery script beside the tags, where DeepSpeed leaves its own and where
     # transformers and Accelerate tell users to run it.
     script = save_dir / RECOVERY_SCRIPT
-    _write_text(script, _RECOVERY_TEXT)
+    write_text(script, _RECOVERY_TEXT)
     script.chmod(0o755)
 
 

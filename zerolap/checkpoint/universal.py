@@ -17,31 +17,35 @@ ckpt/global_step100 --output_folder ckpt/global_step100_universal``) and resume 
                                              optimizer_state.pt, per sub-group)
 
 zerolap reads it like DeepSpeed's own layout (``checkpoint.deepspeed_format``): each parameter
-is already whole, so it loads at any world size, stage and tensor-parallel size.
+is already whole, so it loads at any world size and stage. The universal checkpoints of pipeline
+or Megatron tensor-parallel runs (a model-states file per stage or rank) are refused by name.
 
 ``write_universal`` (``python -m deepspeed.checkpoint.ds_to_universal`` under the shim) writes
 the layout from any checkpoint zerolap reads, its own included, so that real DeepSpeed resumes
 a zerolap run, at any data-parallel size and ZeRO stage (``load_universal``). The files are
 what both of DeepSpeed's loaders look for: the model states under the stage-1/2 name and the
 stage-3 one, the step beside each parameter (stages 1-2) and in ``optimizer_state.pt`` (stage
-3). Two things do not cross: DeepSpeed's loss-scaler object (an fp16 run restarts its dynamic
-scale, as after ``load_optimizer_states=False``) and, as with DeepSpeed's own converter,
-frozen parameters and buffers, which DeepSpeed's universal load leaves as the model has them.
+3), as a tensor. What DeepSpeed does not take back: its loss-scaler object (an fp16 run
+restarts its dynamic scale), frozen parameters and buffers (its universal load leaves them as
+the model has them), and at stage 3 the param groups' own hyperparameters (it gives every
+group the first one's; the conversion warns when they differ).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 from zerolap.aliases import DEEPSPEED_API
-from zerolap.checkpoint.consolidate import fp32_state_dict
 from zerolap.checkpoint.deepspeed_format import (
+    EXPERT_NAME,
     ZERO3_MODEL_GLOB,
     files_by_rank,
     frozen_pieces,
@@ -53,10 +57,10 @@ from zerolap.checkpoint.deepspeed_format import (
 from zerolap.checkpoint.files import (
     MODEL_FILE,
     CheckpointError,
-    partial_dir,
-    publish,
+    logger,
     read_checkpoint,
     write,
+    write_text,
 )
 from zerolap.checkpoint.shards import SavedParams, Segment, SegmentIndex, gather_state
 
@@ -112,40 +116,71 @@ def _parameter(folder: Path, name: str, shape, step) -> tuple[torch.Tensor, dict
     return values, state
 
 
+def _frozen(folder: Path, first: dict, models: list[dict], stage: int):
+    """The frozen parameters: from ``zero/`` where the converter wrote them (DeepSpeed's at
+    stages 1-2, zerolap's always), else stage 3's fragments in the model files; at stages 1-2
+    without files, the copied module holds them whole."""
+    shapes = first.get("frozen_param_shapes") or {}
+    found = [n for n in shapes if (folder / STATES_DIR / n / f"{_VALUES}.pt").is_file()]
+    if stage == 3 and len(found) < len(shapes):
+        return frozen_pieces(models)
+    return [
+        (n, _tensor(folder / STATES_DIR / n / f"{_VALUES}.pt", math.prod(shapes[n])).float())
+        for n in found
+    ]
+
+
+def _required(saved: dict, key: str, path: Path):
+    if key not in saved:
+        raise CheckpointError(f"universal checkpoint file {path} has no {key!r}")
+    return saved[key]
+
+
 def read_universal(folder: Path) -> tuple[dict, list[dict]]:
     """The universal checkpoint in ``folder`` as zerolap's (model states, [shard])."""
     zero3_models = files_by_rank(folder, ZERO3_MODEL_GLOB)
-    if not zero3_models and not (folder / MODEL_FILE).is_file():
+    model_paths = zero3_models or [folder / MODEL_FILE]
+    if not model_paths[0].is_file():
         raise CheckpointError(
             f"universal checkpoint {folder}: neither {MODEL_FILE} nor {ZERO3_MODEL_GLOB} is there "
             "(ds_to_universal copies the model states beside zero/)"
         )
-    models = [load_file(path) for path in zero3_models or [folder / MODEL_FILE]]
+    if not zero3_models and any(folder.glob("mp_rank_0[1-9]*_model_states.pt")):
+        raise CheckpointError(
+            f"universal checkpoint {folder} has one model-states file per pipeline stage or "
+            "tensor-parallel rank (mp_rank_01_...): such checkpoints are not read"
+        )
+    models = [load_file(path) for path in model_paths]
     first = models[0]
-    scalars = load_file(folder / STATES_DIR / GLOBAL_STATE)
+    shapes = _required(first, "param_shapes", model_paths[0])
+    if first.get("module") is None:
+        raise CheckpointError(f"universal checkpoint file {model_paths[0]} holds no module")
+    path = folder / STATES_DIR / GLOBAL_STATE
+    scalars = load_file(path)
     stage = int(scalars.get("zero_stage", 3 if zero3_models else 2))
     params = []
     if stage == 3:
         # param_shapes lists sub-groups; the optimizer's groups list the sub-groups they hold.
-        inner = scalars["optimizer_state_dict"]
+        inner = _required(scalars, "optimizer_state_dict", path)
         group_of = {i: g for g, pg in enumerate(inner["param_groups"]) for i in pg["params"]}
-        for i, shapes in enumerate(first["param_shapes"]):
+        for i, sub_group in enumerate(shapes):
             step = inner["state"].get(i, {}).get(_STEP)
-            for name, shape in shapes.items():
+            for name, shape in sub_group.items():
                 params.append((group_of.get(i, 0), name, *_parameter(folder, name, shape, step)))
-        frozen = frozen_pieces(models)
     else:
-        for g, shapes in enumerate(first["param_shapes"]):
-            for name, shape in shapes.items():
+        for g, group in enumerate(shapes):
+            for name, shape in group.items():
                 params.append((g, name, *_parameter(folder, name, shape, None)))
-        frozen = []  # whole in the copied module states
+    groups = scalars.get("param_groups") or scalars.get("optimizer_state_dict", {}).get(
+        "param_groups", []
+    )
     return zerolap_form(
         first,
         params,
-        frozen,
+        _frozen(folder, first, models, stage),
         stage=stage,
         loss_scaler=loss_scaler_of([scalars]),
-        groups=hyperparameters(scalars.get("param_groups", [])),
+        groups=hyperparameters(groups),
     )
 
 
@@ -169,17 +204,19 @@ def _groups_of(saved: dict, shards: list[dict]) -> list[dict[str, torch.Size]]:
     return groups
 
 
-def _model_states(saved: dict, module: dict, groups: list[dict]) -> dict:
+def _model_states(saved: dict, groups: list[dict], shapes: dict) -> dict:
     """DeepSpeed's model-states file for ``saved``: what its engine reads back (counters,
-    scheduler, client state) and what describes the model (shapes, ties, buffers)."""
+    scheduler, client state) and what describes the model (shapes, ties, buffers). The
+    module is the source's as saved (DeepSpeed's universal load does not read it, zerolap's
+    reads its buffers)."""
     aliases = {k: v for k, v in saved["aliases"].items() if k != v}
     params = set(saved["aliases"]) | set(saved["frozen"])
     return {
         **saved["client_state"],
-        "module": module,
-        "buffer_names": [key for key in module if key not in params],
+        "module": saved["module"],
+        "buffer_names": [key for key in saved["module"] if key not in params],
         "param_shapes": groups,
-        "frozen_param_shapes": {n: torch.Size(module[n].shape) for n in saved["frozen"]},
+        "frozen_param_shapes": {n: torch.Size(shapes[n]) for n in saved["frozen"]},
         "shared_params": aliases,
         "lr_scheduler": saved["lr_scheduler"],
         "global_steps": saved["global_steps"],
@@ -194,23 +231,57 @@ def _model_states(saved: dict, module: dict, groups: list[dict]) -> dict:
 
 def _write_parameter(where: Path, values: torch.Tensor, state: dict) -> int | None:
     """``zero/<name>/``: the fp32 values and each per-element state, shaped, as DeepSpeed's
-    converter writes them; the step count (returned) beside them."""
+    converter writes them (``cat_dim`` on those the optimizer steps); the step count
+    (returned) beside them, as a tensor: torch's Adam requires one, and DeepSpeed's fused Adam
+    takes one too."""
     where.mkdir(parents=True)
-    write({"param": values, "cat_dim": 0}, where / f"{_VALUES}.pt")
+    write({"param": values, **({"cat_dim": 0} if state else {})}, where / f"{_VALUES}.pt")
     step = None
     for key, value in state.items():
         if key == _STEP:
             step = int(value.item() if isinstance(value, torch.Tensor) else value)
-            write(step, where / f"{_STEP}.pt")
+            write(torch.tensor(float(step)), where / f"{_STEP}.pt")
         elif isinstance(value, torch.Tensor) and value.numel() == values.numel():
             write({"param": value.float().view(values.shape), "cat_dim": 0}, where / f"{key}.pt")
     return step
 
 
+def _refuse(folder: Path, saved: dict, groups: list[dict]) -> None:
+    """Sources whose conversion DeepSpeed would misread, or that have nothing to convert."""
+    if saved.get("unnamed") or not groups:
+        raise CheckpointError(
+            f"{folder} holds no optimizer state named by parameter: it was saved without an "
+            "optimizer, or by DeepSpeed at stage 0, whose files list it by position only (load "
+            "that into a zerolap engine, save, and convert the save)"
+        )
+    experts = [name for name in saved["param_names"] if EXPERT_NAME.fullmatch(name)]
+    if experts:
+        raise CheckpointError(
+            f"{folder} holds mixture-of-experts parameters ({experts[0]}, ...): DeepSpeed's "
+            "universal load looks experts up by each rank's local names, not these global ones"
+        )
+
+
+def _differing_groups(hyper: list[dict]) -> str | None:
+    """DeepSpeed's stage-3 universal load gives every param group the first group's
+    hyperparameters: a warning naming what that changes, if anything."""
+    first = {k: v for k, v in hyper[0].items() if k != "params"}
+    for g, group in enumerate(hyper[1:], 1):
+        changed = sorted(k for k, v in group.items() if k != "params" and first.get(k) != v)
+        if changed:
+            return (
+                f"param group {g} differs from group 0 in {changed}: DeepSpeed's ZeRO-3 "
+                "universal load gives every group group 0's hyperparameters; resume it at "
+                "stage 1 or 2, or set them again after the load"
+            )
+    return None
+
+
 def write_universal(folder: Path, output: Path) -> None:
     """The checkpoint in ``folder`` (zerolap's or DeepSpeed's) in the universal layout at
-    ``output``, then ``latest_universal`` beside it naming it. One parameter is held at a
-    time; the output appears whole or not at all."""
+    ``output``, then ``latest_universal`` beside it naming it. Files are read memory-mapped
+    and one parameter is assembled at a time. The output appears whole or not at all; call
+    it from one process."""
     folder, output = Path(folder), Path(output)
     if output.exists():
         raise CheckpointError(f"{output} exists: name a new folder for the universal checkpoint")
@@ -218,29 +289,36 @@ def write_universal(folder: Path, output: Path) -> None:
     index = SegmentIndex(shards)
     params = SavedParams(saved, index)
     groups = _groups_of(saved, shards)
-    if saved.get("unnamed") or not groups:
-        raise CheckpointError(
-            f"{folder}: its optimizer state cannot be named by parameter without the model "
-            f"(a DeepSpeed stage-0 checkpoint lists it by position: {saved.get('unnamed')}); "
-            "load it into a zerolap engine, save, and convert that"
-        )
-    staged = partial_dir(output.parent, output.name)
-    shutil.rmtree(staged, ignore_errors=True)  # an earlier conversion, interrupted
-    steps = []
+    _refuse(folder, saved, groups)
+    hyper = [{**group, "params": [g]} for g, group in enumerate(shards[0]["param_groups"])]
+    warning = _differing_groups(hyper)
+    if warning:
+        logger.warning(f"{output}: {warning}")
+    # A folder of this conversion's own, renamed into place at the end: an interrupted or a
+    # concurrent conversion never leaves or publishes a part.
+    staged = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
     try:
+        steps, written = [], set()
         for name in dict.fromkeys([*saved["param_names"], *saved["frozen"]]):
-            if not params.has(name):
+            if params.has(name):
+                values = params.whole_fp32(name)
+                segments = [Segment(name, 0, values.numel(), 0)]
+                state = gather_state(values.numel(), torch.float32, segments, index)
+                steps.append(_write_parameter(staged / STATES_DIR / name, values, state))
+                written.add(name)
+        # As DeepSpeed's converter: every other module entry's values too (tied aliases,
+        # buffers), which its loaders ignore.
+        for key, tensor in saved["module"].items():
+            source = saved["aliases"].get(key)
+            if key in written or (source is None and not isinstance(tensor, torch.Tensor)):
                 continue
-            values = params.whole_fp32(name)
-            segments = [Segment(name, 0, values.numel(), 0)]
-            state = gather_state(values.numel(), torch.float32, segments, index)
-            steps.append(_write_parameter(staged / STATES_DIR / name, values, state))
-        step = max((s for s in steps if s is not None), default=0)
-        hyper = [{**group, "params": [g]} for g, group in enumerate(shards[0]["param_groups"])]
+            values = params.whole_fp32(source) if source in written else tensor.float()
+            (staged / STATES_DIR / key).mkdir(parents=True)
+            write({"param": values}, staged / STATES_DIR / key / f"{_VALUES}.pt")
+        step = torch.tensor(float(max((s for s in steps if s is not None), default=0)))
         scalars = {
             "zero_stage": 2,  # the layout of param_shapes and step.pt, whatever stage saved it
             "param_groups": hyper,
-            "partition_count": [saved["world_size"]] * len(hyper),
             "ds_version": DEEPSPEED_API,
             # DeepSpeed's stage 3 takes the step and hyperparameters from here.
             "optimizer_state_dict": {
@@ -249,14 +327,13 @@ def write_universal(folder: Path, output: Path) -> None:
             },
         }
         write(scalars, staged / STATES_DIR / GLOBAL_STATE)
-        module = fp32_state_dict(saved, params)
-        states = _model_states(saved, module, groups)
-        write(states, staged / MODEL_FILE)
-        write(states, staged / ZERO3_MODEL_FILE)
+        write(_model_states(saved, groups, params.shapes), staged / MODEL_FILE)
+        os.link(staged / MODEL_FILE, staged / ZERO3_MODEL_FILE)  # the name stage 3 reads
+        os.rename(staged, output)  # fails if another conversion's output arrived meanwhile
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
         raise
-    publish(output.parent, output.name, save_latest=True, latest=LATEST_UNIVERSAL)
+    write_text(output.parent / LATEST_UNIVERSAL, output.name)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -270,20 +347,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num_merge_workers", type=int, help=tuning)
     parser.add_argument("--keep_temp_folder", action="store_true", help=tuning)
     parser.add_argument(
+        "--no_strict",
+        action="store_true",
+        help="DeepSpeed's option on Megatron's tensor-parallel layout notes; zerolap reads none",
+    )
+    parser.add_argument(
         "--inject_missing_state",
         action="store_true",
         help="DeepSpeed's option for checkpoints without Megatron's layout notes; zerolap "
         "needs none",
     )
-    parser.add_argument("--strict", action=argparse.BooleanOptionalAction, help=tuning)
     args = parser.parse_args(argv)
     moot = [
         f"--{key}"
-        for key in ("num_extract_workers", "num_merge_workers", "keep_temp_folder", "strict")
+        for key in ("num_extract_workers", "num_merge_workers", "keep_temp_folder", "no_strict")
         if getattr(args, key) not in (None, False)
     ]
     if moot:
-        print(f"{', '.join(moot)}: no effect on zerolap's conversion ({tuning})", file=sys.stderr)
+        print(f"{', '.join(moot)}: no effect on zerolap's conversion", file=sys.stderr)
     write_universal(args.input_folder, args.output_folder)
     print(f"{args.output_folder}: written; {LATEST_UNIVERSAL} names it")
 
