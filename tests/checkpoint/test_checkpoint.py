@@ -423,8 +423,12 @@ def check_errors(path: str) -> None:
     if dist.get_rank() == 0:
         (root / "t" / "latest").write_text("")  # cut short: an error, not "nothing to resume"
     dist.barrier()
-    with pytest.raises(CheckpointError, match=r"t/latest is empty: it should name"):
+    with captured_logs() as logs, pytest.raises(CheckpointError) as error:
         engine.load_checkpoint(root / "t")
+    assert str(error.value) == (
+        f"{root / 't' / 'latest'} is empty: it should name the newest checkpoint's tag"
+    )
+    assert not [m for m in logs if "re-saved" in m], logs
     dist.barrier()
     if dist.get_rank() == 0:
         (root / "t" / "latest").unlink()

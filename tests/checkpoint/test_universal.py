@@ -134,7 +134,9 @@ def test_zerolaps_converter_writes_what_deepspeeds_does(tmp_path):
             assert got["param_groups"] == [
                 {k: v for k, v in group.items() if k != "step"} for group in want["param_groups"]
             ]
-            assert got["optimizer_state_dict"]["state"] == {0: {"step": 3}}  # stage 3 reads it
+            # Where stage 3 reads it, an int: DeepSpeed hands one object to every sub-group.
+            assert got["optimizer_state_dict"]["state"] == {0: {"step": 3}}
+            assert type(got["optimizer_state_dict"]["state"][0]["step"]) is int
         else:
             assert sorted(got) == sorted(want), name
             assert torch.equal(got["param"], want["param"]), name
@@ -165,26 +167,36 @@ def test_a_converted_checkpoint_resumes_at_another_stage(ranks, tmp_path):
         assert Path(result["path"]).name == "mine"
 
 
-def train_and_save(folder: str, stage: int) -> None:
-    """zerolap trains the fixtures' model 3 steps at ``stage`` on this job's ranks and saves."""
+def train_and_save(folder: str, stage: int, client: bool) -> None:
+    """zerolap trains the fixtures' model 3 steps at ``stage`` on this job's ranks (``client``:
+    with a torch AdamW of the client's) and saves."""
     import zerolap
     import zerolap.comm as dist
-    from tests.checkpoint.deepspeed_0_19_8.model import batch, build_model, ds_config
+    from tests.checkpoint.deepspeed_0_19_8.model import LR, batch, build_model, ds_config
 
     model = build_model()
     config = ds_config(stage, dist.get_world_size(), False)
-    engine, *_ = zerolap.initialize(model=model, model_parameters=model.parameters(), config=config)
+    optimizer = None
+    if client:
+        del config["optimizer"]
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
+    engine, *_ = zerolap.initialize(
+        model=model, model_parameters=model.parameters(), optimizer=optimizer, config=config
+    )
     for number in range(1, 4):
         engine.backward(engine(*batch(number, dist.get_rank())))
         engine.step()
     engine.save_checkpoint(folder)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_a_zerolap_checkpoint_converts_whole(ranks, tmp_path, stage):
+@pytest.mark.parametrize(("stage", "client"), [(2, False), (3, True)])
+def test_a_zerolap_checkpoint_converts_whole(ranks, tmp_path, stage, client):
     # Stage 3 lists its frozen parameter among the optimizer's pieces as well as frozen.
-    ranks(2).run(train_and_save, str(tmp_path), stage, timeout=TIMEOUT)
-    write_universal(tmp_path / "global_step3", tmp_path / "universal")
+    ranks(2).run(train_and_save, str(tmp_path), stage, client, timeout=TIMEOUT)
+    with captured_logs() as logs:
+        write_universal(tmp_path / "global_step3", tmp_path / "universal")
+    client_note = "the run stepped its client's own optimizer: DeepSpeed resumes a torch"
+    assert any(client_note in m for m in logs) == client, logs
     want = get_fp32_state_dict(tmp_path, "global_step3")
     got = get_fp32_state_dict(tmp_path, "universal")
     assert sorted(got) == sorted(want)
@@ -205,10 +217,21 @@ def test_a_conversion_that_fails_leaves_nothing(tmp_path, monkeypatch):
             raise OSError(28, "No space left on device")
         written.append(path)
 
+    stale = ckpt / ".mine.partial-999999999"  # a killed conversion's (no such process)
+    (stale / "zero").mkdir(parents=True)
     monkeypatch.setattr(universal, "write", failing)
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises(CheckpointError, match=r"converting .*global_step3 to .*mine: .*No space"):
         write_universal(ckpt / "global_step3", ckpt / "mine")
     assert sorted(p.name for p in ckpt.iterdir()) == ["global_step3", TAG, "latest"]
+    monkeypatch.undo()
+    # Without hard links, a copy; into a folder that is not there yet.
+    monkeypatch.setattr(universal.os, "link", lambda *_: (_ for _ in ()).throw(OSError(1, "no")))
+    write_universal(ckpt / "global_step3", tmp_path / "new" / "mine")
+    written = tmp_path / "new" / "mine"
+    assert (written / "zero_pp_rank_0_mp_rank_00_model_states.pt").read_bytes() == (
+        written / "mp_rank_00_model_states.pt"
+    ).read_bytes()
+    assert (tmp_path / "new" / "latest_universal").read_text() == "mine"
     with pytest.raises(CheckpointError, match=f"{TAG} exists: name a new folder"):
         write_universal(ckpt / "global_step3", ckpt / TAG)
     with pytest.raises(CheckpointError, match="no optimizer state named by parameter"):

@@ -560,8 +560,10 @@ def _read_whole(
             # Read from ``<tag>.old`` while a re-save was between its two renames: what failed
             # there was being moved away.
             moved = moved or (problem is not None and folder is not None and folder.name != name)
-        except CheckpointError:  # ``latest`` being rewritten by a non-atomic writer
-            moved = True
+        except CheckpointError:
+            # ``latest`` unreadable now though it named a tag before: a non-atomic writer
+            # rewriting it. Unreadable both times, it is what the error names.
+            moved = name is not None
         views: list = [None] * world
         # "Nothing to load" only when finding it raised nothing (an error names what is wrong).
         dist.all_gather_object(views, (name is None and problem is None, problem, moved, began))

@@ -24,11 +24,13 @@ or Megatron tensor-parallel runs (a model-states file per stage or rank) are ref
 the layout from any checkpoint zerolap reads, its own included, so that real DeepSpeed resumes
 a zerolap run, at any data-parallel size and ZeRO stage (``load_universal``). The files are
 what both of DeepSpeed's loaders look for: the model states under the stage-1/2 name and the
-stage-3 one, the step beside each parameter (stages 1-2) and in ``optimizer_state.pt`` (stage
-3), as a tensor. What DeepSpeed does not take back: its loss-scaler object (an fp16 run
-restarts its dynamic scale), frozen parameters and buffers (its universal load leaves them as
-the model has them), and at stage 3 the param groups' own hyperparameters (it gives every
-group the first one's; the conversion warns when they differ).
+stage-3 one, the step beside each parameter (stages 1-2, a tensor as torch's Adam needs) and
+in ``optimizer_state.pt`` (stage 3, an int: DeepSpeed hands that one object to every
+sub-group). What DeepSpeed does not take back: its loss-scaler object (an fp16 run restarts
+its dynamic scale), frozen parameters and buffers (its universal load leaves them as the model
+has them), and at stage 3 the param groups' own hyperparameters (it gives every group the
+first one's) and a client's torch optimizer (which refuses the int step); the conversion warns
+about these two.
 """
 
 from __future__ import annotations
@@ -38,7 +40,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -145,7 +146,7 @@ def read_universal(folder: Path) -> tuple[dict, list[dict]]:
             f"universal checkpoint {folder}: neither {MODEL_FILE} nor {ZERO3_MODEL_GLOB} is there "
             "(ds_to_universal copies the model states beside zero/)"
         )
-    if not zero3_models and any(folder.glob("mp_rank_0[1-9]*_model_states.pt")):
+    if any("_mp_rank_00_" not in f"_{p.name}" for p in folder.glob("*mp_rank_*_model_states.pt")):
         raise CheckpointError(
             f"universal checkpoint {folder} has one model-states file per pipeline stage or "
             "tensor-parallel rank (mp_rank_01_...): such checkpoints are not read"
@@ -262,19 +263,28 @@ def _refuse(folder: Path, saved: dict, groups: list[dict]) -> None:
         )
 
 
-def _differing_groups(hyper: list[dict]) -> str | None:
-    """DeepSpeed's stage-3 universal load gives every param group the first group's
-    hyperparameters: a warning naming what that changes, if anything."""
+def _stage3_warnings(saved: dict, hyper: list[dict]) -> list[str]:
+    """What DeepSpeed's ZeRO-3 universal load would change in this run: it gives every param
+    group the first group's hyperparameters, and every sub-group one step count, an int,
+    which torch's Adam refuses (DeepSpeed's own optimizers take it)."""
+    found = []
     first = {k: v for k, v in hyper[0].items() if k != "params"}
     for g, group in enumerate(hyper[1:], 1):
         changed = sorted(k for k, v in group.items() if k != "params" and first.get(k) != v)
         if changed:
-            return (
+            found.append(
                 f"param group {g} differs from group 0 in {changed}: DeepSpeed's ZeRO-3 "
                 "universal load gives every group group 0's hyperparameters; resume it at "
                 "stage 1 or 2, or set them again after the load"
             )
-    return None
+            break
+    if not (saved.get("ds_config") or {}).get("optimizer"):
+        found.append(
+            "the run stepped its client's own optimizer: DeepSpeed resumes a torch optimizer "
+            "from this at ZeRO stages 1-2; its ZeRO-3 universal load gives the step as an int, "
+            "which torch's Adam refuses"
+        )
+    return found
 
 
 def write_universal(folder: Path, output: Path) -> None:
@@ -291,13 +301,12 @@ def write_universal(folder: Path, output: Path) -> None:
     groups = _groups_of(saved, shards)
     _refuse(folder, saved, groups)
     hyper = [{**group, "params": [g]} for g, group in enumerate(shards[0]["param_groups"])]
-    warning = _differing_groups(hyper)
-    if warning:
+    for warning in _stage3_warnings(saved, hyper):
         logger.warning(f"{output}: {warning}")
-    # A folder of this conversion's own, renamed into place at the end: an interrupted or a
-    # concurrent conversion never leaves or publishes a part.
-    staged = Path(tempfile.mkdtemp(prefix=f".{output.name}.", suffix=".partial", dir=output.parent))
+    staged = None
     try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        staged = _staging_folder(output)
         steps, written = [], set()
         for name in dict.fromkeys([*saved["param_names"], *saved["frozen"]]):
             if params.has(name):
@@ -315,12 +324,14 @@ def write_universal(folder: Path, output: Path) -> None:
             values = params.whole_fp32(source) if source in written else tensor.float()
             (staged / STATES_DIR / key).mkdir(parents=True)
             write({"param": values}, staged / STATES_DIR / key / f"{_VALUES}.pt")
-        step = torch.tensor(float(max((s for s in steps if s is not None), default=0)))
+        step = max((s for s in steps if s is not None), default=0)
         scalars = {
             "zero_stage": 2,  # the layout of param_shapes and step.pt, whatever stage saved it
             "param_groups": hyper,
             "ds_version": DEEPSPEED_API,
-            # DeepSpeed's stage 3 takes the step and hyperparameters from here.
+            # DeepSpeed's stage 3 takes the step and hyperparameters from here, and hands
+            # this one object to every sub-group: an int, which each increments on its own (a
+            # tensor would be incremented in place once per sub-group).
             "optimizer_state_dict": {
                 "state": {g: {_STEP: step} for g in range(len(hyper))},
                 "param_groups": hyper,
@@ -328,12 +339,44 @@ def write_universal(folder: Path, output: Path) -> None:
         }
         write(scalars, staged / STATES_DIR / GLOBAL_STATE)
         write(_model_states(saved, groups, params.shapes), staged / MODEL_FILE)
-        os.link(staged / MODEL_FILE, staged / ZERO3_MODEL_FILE)  # the name stage 3 reads
-        os.rename(staged, output)  # fails if another conversion's output arrived meanwhile
-    except BaseException:
-        shutil.rmtree(staged, ignore_errors=True)
+        try:  # the name stage 3 reads
+            os.link(staged / MODEL_FILE, staged / ZERO3_MODEL_FILE)
+        except OSError:  # a filesystem without hard links
+            shutil.copyfile(staged / MODEL_FILE, staged / ZERO3_MODEL_FILE)
+        if output.exists():  # (a rename onto an empty folder would replace it silently)
+            raise CheckpointError(f"{output} appeared while this conversion ran; nothing written")
+        os.rename(staged, output)
+    except BaseException as err:
+        if staged is not None:
+            shutil.rmtree(staged, ignore_errors=True)
+        if isinstance(err, OSError):  # a full disk, a folder that cannot be written
+            raise CheckpointError(f"converting {folder} to {output}: {err}") from err
         raise
     write_text(output.parent / LATEST_UNIVERSAL, output.name)
+
+
+def _staging_folder(output: Path) -> Path:
+    """A new folder beside ``output`` for this conversion to write into, named with this
+    process's id; the folders of killed conversions of ``output`` on this host are removed
+    (one still running is left alone)."""
+    for stale in output.parent.glob(f".{output.name}.partial-*"):
+        pid = stale.name.rpartition("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(stale, ignore_errors=True)
+    staged = output.parent / f".{output.name}.partial-{os.getpid()}"
+    shutil.rmtree(staged, ignore_errors=True)  # this process's own, from an earlier try
+    staged.mkdir()
+    return staged
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def main(argv: list[str] | None = None) -> None:
