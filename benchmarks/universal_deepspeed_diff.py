@@ -10,7 +10,10 @@ parameter, odd sizes) for 3 steps on 2 ranks at ZeRO stage ``--stage``, saves, a
 checkpoint; then DeepSpeed loads the converted folder (``checkpoint.load_universal``) on 1 and
 2 ranks at stages 1, 2 and 3 and takes the 4th step on the same global batch. Printed per
 resume: the 4th step's loss and largest parameter difference from zerolap's own 4th step
-(DeepSpeed's Adam and torch's differ in the last bits of fp32).
+(DeepSpeed's Adam and torch's differ in the last bits of fp32), or DeepSpeed's error when it
+refuses. Variants: ``--client-optimizer`` (both sides step a torch AdamW of the client's),
+``--two-groups`` (weight decay on matrices only; ``--equal-groups``: the same on both),
+``--bf16``.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def worker(library: str, root: Path, stage: int, saved_world: int, options: str)
     deepspeed.init_distributed(dist_backend="gloo")
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model = build_model()
-    config = ds_config(stage, world, False)
+    config = ds_config(stage, world, "bf16" in options)
     config["train_micro_batch_size_per_gpu"] = MICRO * saved_world // world
     config["train_batch_size"] = MICRO * saved_world
     config["checkpoint"] = {"load_universal": library == "deepspeed"}
@@ -119,6 +122,7 @@ def main() -> int:
     parser.add_argument(
         "--equal-groups", action="store_true", help="with --two-groups: the same weight decay"
     )
+    parser.add_argument("--bf16", action="store_true", help="both sides train in bf16")
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -131,6 +135,7 @@ def main() -> int:
             *(["client"] if args.client_optimizer else []),
             *(["groups"] if args.two_groups else []),
             *(["equal"] if args.equal_groups else []),
+            *(["bf16"] if args.bf16 else []),
         ]
     )
     import torch
