@@ -4,21 +4,24 @@ data-parallel sizes and ZeRO stages than it was saved at.
 Run from the repo root: ``python benchmarks/universal_deepspeed_diff.py --deepspeed-python
 /tmp/dsenv/bin/python`` (``benchmarks/deepspeed_diff.py --make-env`` makes that environment).
 
-zerolap trains the model of ``tests/checkpoint/deepspeed_0_19_8`` (tied embedding, frozen
-parameter, odd sizes) for 3 steps on 2 ranks at ZeRO stage ``--stage``, saves, and takes a
-4th step: its loss and parameters are the reference. zerolap's ``ds_to_universal`` converts the
-checkpoint; then DeepSpeed loads the converted folder (``checkpoint.load_universal``) on 1 and
-2 ranks at stages 1, 2 and 3 and takes the 4th step on the same global batch. Printed per
-resume: the 4th step's loss and largest parameter difference from zerolap's own 4th step
-(DeepSpeed's Adam and torch's differ in the last bits of fp32), or DeepSpeed's error when it
-refuses. Variants: ``--client-optimizer`` (both sides step a torch AdamW of the client's),
-``--two-groups`` (weight decay on matrices only; ``--equal-groups``: the same on both),
-``--bf16``.
+zerolap (``--trainer``) trains the model of ``tests/checkpoint/deepspeed_0_19_8`` (tied
+embedding, frozen parameter, odd sizes) for 3 steps on 2 ranks at ZeRO stage ``--stage``, saves,
+and takes a 4th step: its loss and parameters are the reference. zerolap's ``ds_to_universal``
+(``--converter``) converts the checkpoint; then DeepSpeed loads the converted folder
+(``checkpoint.load_universal``) on 1 and 2 ranks at stages 1, 2 and 3 and takes the 4th step on
+the same global batch. Printed per resume: the 4th step's loss and largest parameter
+difference from the reference (DeepSpeed's Adam and torch's differ in the last bits of fp32),
+or DeepSpeed's error when it refuses. Variants: ``--client-optimizer`` (both sides step a torch
+AdamW of the client's), ``--two-groups`` (weight decay on matrices only; ``--equal-groups``:
+two groups with the same), ``--bf16``, and ``--trainer deepspeed`` / ``--converter deepspeed``
+(DeepSpeed's own run, or its own converter).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -73,7 +76,8 @@ def worker(library: str, root: Path, stage: int, saved_world: int, options: str)
     config = ds_config(stage, world, "bf16" in options)
     config["train_micro_batch_size_per_gpu"] = MICRO * saved_world // world
     config["train_batch_size"] = MICRO * saved_world
-    config["checkpoint"] = {"load_universal": library == "deepspeed"}
+    trains = "train" in options  # else it resumes the converted checkpoint
+    config["checkpoint"] = {"load_universal": not trains}
     groups = param_groups(model, "groups" in options)
     groups = groups if "groups" in options else [p for p in groups if p.requires_grad]
     if "equal" in options:  # two groups alike: several sub-groups, one set of hyperparameters
@@ -85,7 +89,7 @@ def worker(library: str, root: Path, stage: int, saved_world: int, options: str)
     engine, *_ = deepspeed.initialize(
         model=model, model_parameters=groups, optimizer=optimizer, config=config
     )
-    if library == "zerolap":
+    if trains:
         for number in range(1, STEPS + 1):
             _step(engine, number, saved_world)
         engine.save_checkpoint(str(root / "ckpt"))
@@ -99,11 +103,6 @@ def worker(library: str, root: Path, stage: int, saved_world: int, options: str)
     }
     if rank == 0:
         torch.save({"loss": loss, "params": params}, root / f"{library}_s{stage}_w{world}.pt")
-        if library == "zerolap":
-            from zerolap.checkpoint.universal import write_universal
-
-            tag = root / "ckpt" / f"global_step{STEPS}"
-            write_universal(tag, tag.with_name(f"{tag.name}_universal"))
     # An orderly exit: a DeepSpeed rank left to tear gloo down by itself at exit sometimes aborts.
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -112,7 +111,14 @@ def worker(library: str, root: Path, stage: int, saved_world: int, options: str)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--deepspeed-python", required=True)
-    parser.add_argument("--stage", type=int, default=2, help="the ZeRO stage zerolap trains at")
+    parser.add_argument("--stage", type=int, default=2, help="the ZeRO stage of the first run")
+    parser.add_argument(
+        "--trainer", choices=["zerolap", "deepspeed"], default="zerolap", help="who trains first"
+    )
+    parser.add_argument(
+        "--converter", choices=["zerolap", "deepspeed"], default="zerolap",
+        help="whose ds_to_universal converts",
+    )  # fmt: skip
     parser.add_argument(
         "--client-optimizer", action="store_true", help="both sides step a client torch AdamW"
     )
@@ -120,7 +126,7 @@ def main() -> int:
         "--two-groups", action="store_true", help="weight decay on matrices only (2 groups)"
     )
     parser.add_argument(
-        "--equal-groups", action="store_true", help="with --two-groups: the same weight decay"
+        "--equal-groups", action="store_true", help="two groups with the same weight decay"
     )
     parser.add_argument("--bf16", action="store_true", help="both sides train in bf16")
     parser.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
@@ -133,7 +139,7 @@ def main() -> int:
         [
             "plain",
             *(["client"] if args.client_optimizer else []),
-            *(["groups"] if args.two_groups else []),
+            *(["groups"] if args.two_groups or args.equal_groups else []),
             *(["equal"] if args.equal_groups else []),
             *(["bf16"] if args.bf16 else []),
         ]
@@ -143,27 +149,41 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
 
-        def launch(python: str, library: str, stage: int, ranks: int) -> None:
+        pythons = {"zerolap": sys.executable, "deepspeed": args.deepspeed_python}
+
+        def launch(library: str, stage: int, ranks: int, extra: str = "") -> None:
             launch_ranks(
-                python, Path(__file__), ["--deepspeed-python", "-", "--worker", library, tmp,
-                                         str(stage), "2", options],
+                pythons[library], Path(__file__), ["--deepspeed-python", "-", "--worker",
+                                                   library, tmp, str(stage), "2", options + extra],
                 cwd=tmp, label=f"{library} stage {stage} on {ranks}", ranks=ranks,
             )  # fmt: skip
 
-        launch(sys.executable, "zerolap", args.stage, 2)
-        want = torch.load(root / f"zerolap_s{args.stage}_w2.pt")
-        print(f"zerolap trained at stage {args.stage} on 2 ranks; its 4th-step loss "
-              f"{want['loss']:.6f}")  # fmt: skip
+        launch(args.trainer, args.stage, 2, ",train")
+        want = torch.load(root / f"{args.trainer}_s{args.stage}_w2.pt")
+        tag = root / "ckpt" / "global_step3"
+        if args.converter == "zerolap":
+            from zerolap.checkpoint.universal import write_universal
+
+            write_universal(tag, tag.with_name(f"{tag.name}_universal"))
+        else:
+            subprocess.run(
+                [args.deepspeed_python, "-m", "deepspeed.checkpoint.ds_to_universal",
+                 "--inject_missing_state", "--input_folder", str(tag), "--output_folder",
+                 f"{tag}_universal"],
+                check=True, capture_output=True, cwd=tmp,
+            )  # fmt: skip
+        print(f"{args.trainer} trained at stage {args.stage} on 2 ranks, {args.converter} "
+              f"converted; the 4th-step loss {want['loss']:.6f}")  # fmt: skip
         print("| DeepSpeed resumes at | 4th-step loss | loss gap | largest parameter gap |")
         print("|---|---|---|---|")
         for stage, ranks in RESUMES:
             where = f"| stage {stage}, {ranks} rank{'s' * (ranks > 1)} |"
             try:
-                launch(args.deepspeed_python, "deepspeed", stage, ranks)
+                launch("deepspeed", stage, ranks)
             except SystemExit as failed:  # DeepSpeed refused: its last error line
-                lines = str(failed).splitlines()
-                errors = [line for line in lines if "Error: " in line and "ChildFailed" not in line]
-                print(f"{where} fails: {(errors or ['?'])[-1].split('Error: ')[-1]} | | |")
+                lines = [line.split("]: ", 1)[-1] for line in str(failed).splitlines()]
+                errors = [line for line in lines if re.match(r"\w+(Error|Exception)\b", line)]
+                print(f"{where} fails: {(errors or ['?'])[-1]} | | |")
                 continue
             got = torch.load(root / f"deepspeed_s{stage}_w{ranks}.pt")
             gap = max((got["params"][n] - v).abs().max().item() for n, v in want["params"].items())

@@ -8,6 +8,7 @@ DeepSpeed resuming it is ``benchmarks/universal_deepspeed_diff.py``)."""
 from __future__ import annotations
 
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -189,7 +190,7 @@ def train_and_save(folder: str, stage: int, client: bool) -> None:
     engine.save_checkpoint(folder)
 
 
-@pytest.mark.parametrize(("stage", "client"), [(2, False), (3, True)])
+@pytest.mark.parametrize(("stage", "client"), [(2, False), (3, False), (3, True)])
 def test_a_zerolap_checkpoint_converts_whole(ranks, tmp_path, stage, client):
     # Stage 3 lists its frozen parameter among the optimizer's pieces as well as frozen.
     ranks(2).run(train_and_save, str(tmp_path), stage, client, timeout=TIMEOUT)
@@ -213,16 +214,19 @@ def test_a_conversion_that_fails_leaves_nothing(tmp_path, monkeypatch):
     written = []
 
     def failing(obj, path):
-        if len(written) == 5:
-            raise OSError(28, "No space left on device")
+        if len(written) == 5:  # how torch.save reports a full disk
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . file write failed")
         written.append(path)
 
-    stale = ckpt / ".mine.partial-999999999"  # a killed conversion's (no such process)
-    (stale / "zero").mkdir(parents=True)
+    # A killed conversion's folder on this host (no such process), and another host's.
+    stale = ckpt / f".mine.partial-{socket.gethostname()}-999999999-0123abcd"
+    elsewhere = ckpt / ".mine.partial-other-host-999999999-0123abcd"
+    for folder in (stale, elsewhere):
+        (folder / "zero").mkdir(parents=True)
     monkeypatch.setattr(universal, "write", failing)
-    with pytest.raises(CheckpointError, match=r"converting .*global_step3 to .*mine: .*No space"):
+    with pytest.raises(CheckpointError, match=r"converting .*global_step3 to .*mine: .*write fail"):
         write_universal(ckpt / "global_step3", ckpt / "mine")
-    assert sorted(p.name for p in ckpt.iterdir()) == ["global_step3", TAG, "latest"]
+    assert sorted(p.name for p in ckpt.iterdir()) == [elsewhere.name, "global_step3", TAG, "latest"]
     monkeypatch.undo()
     # Without hard links, a copy; into a folder that is not there yet.
     monkeypatch.setattr(universal.os, "link", lambda *_: (_ for _ in ()).throw(OSError(1, "no")))
@@ -240,9 +244,18 @@ def test_a_conversion_that_fails_leaves_nothing(tmp_path, monkeypatch):
         write_universal(HERE / "moe_s2_w4_ep2" / "ckpt" / "global_step2", tmp_path / "moe")
 
 
-def test_a_universal_checkpoint_of_several_model_files_is_refused(tmp_path):
-    folder = _copy(tmp_path) / TAG
-    shutil.copy(folder / "mp_rank_00_model_states.pt", folder / "mp_rank_01_model_states.pt")
+@pytest.mark.parametrize(
+    ("case", "extra"),
+    [
+        ("s2_ws2", "mp_rank_01_model_states.pt"),  # a pipeline's second stage
+        ("s3_ws2_2g", "zero_pp_rank_0_mp_rank_01_model_states.pt"),  # stage 3, tensor rank 1
+    ],
+)
+def test_a_universal_checkpoint_of_several_model_files_is_refused(tmp_path, case, extra):
+    shutil.copytree(HERE / case / "ckpt", tmp_path / "ckpt")
+    folder = tmp_path / "ckpt" / TAG
+    first = sorted(folder.glob("*model_states.pt"))[0]
+    shutil.copy(first, folder / extra)
     with pytest.raises(CheckpointError, match="one model-states file per pipeline stage or"):
         get_fp32_state_dict(tmp_path / "ckpt", TAG)
 

@@ -36,6 +36,7 @@ in one stage, and consolidates to the whole model's state dict.
 from __future__ import annotations
 
 import shutil
+import time
 import uuid
 from pathlib import Path
 
@@ -560,13 +561,18 @@ def _read_whole(
             # Read from ``<tag>.old`` while a re-save was between its two renames: what failed
             # there was being moved away.
             moved = moved or (problem is not None and folder is not None and folder.name != name)
-        except CheckpointError:
-            # ``latest`` unreadable now though it named a tag before: a non-atomic writer
-            # rewriting it. Unreadable both times, it is what the error names.
-            moved = name is not None
+        except (CheckpointError, OSError, ValueError):
+            # ``latest`` unreadable: rewritten by a non-atomic writer (or damaged). Having
+            # named a tag before, the checkpoint moved; unreadable both times, it may be caught
+            # mid-write twice, so it is read again a little later, and what the last attempt
+            # finds is the error.
+            moved, unreadable = name is not None, name is None
+        else:
+            unreadable = False
         views: list = [None] * world
         # "Nothing to load" only when finding it raised nothing (an error names what is wrong).
-        dist.all_gather_object(views, (name is None and problem is None, problem, moved, began))
+        found = (name is None and problem is None, problem, moved, began, unreadable)
+        dist.all_gather_object(views, found)
         if all(view[0] for view in views):
             return None
         if any(view[2] for view in views):
@@ -575,7 +581,10 @@ def _read_whole(
                 "read; reading the new save"
             )
             continue
-        for r, (nothing, problem, _, _) in enumerate(views):
+        if any(view[4] for view in views) and attempt + 1 < READ_ATTEMPTS:
+            time.sleep(0.05 * (attempt + 1))
+            continue
+        for r, (nothing, problem, *_) in enumerate(views):
             if nothing:
                 raise CheckpointError(f"rank {r} finds no 'latest' file in {load_dir}")
             if problem is not None:

@@ -273,9 +273,10 @@ def find_latest(load_dir: Path, latest: str = LATEST) -> str | None:
     """The tag ``load_dir/latest`` names (or the file named ``latest``), or None when there is
     no such file."""
     path = load_dir / latest
-    if not path.is_file():
+    try:
+        tag = path.read_text().strip()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
-    tag = path.read_text().strip()
     if not tag:
         raise CheckpointError(f"{path} is empty: it should name the newest checkpoint's tag")
     return tag

@@ -22,7 +22,8 @@ or Megatron tensor-parallel runs (a model-states file per stage or rank) are ref
 
 ``write_universal`` (``python -m deepspeed.checkpoint.ds_to_universal`` under the shim) writes
 the layout from any checkpoint zerolap reads, its own included, so that real DeepSpeed resumes
-a zerolap run, at any data-parallel size and ZeRO stage (``load_universal``). The files are
+a zerolap run at any data-parallel size (``load_universal``), at ZeRO stages 1-3 with its own
+optimizers and at stages 1-2 with a client's torch optimizer. The files are
 what both of DeepSpeed's loaders look for: the model states under the stage-1/2 name and the
 stage-3 one, the step beside each parameter (stages 1-2, a tensor as torch's Adam needs) and
 in ``optimizer_state.pt`` (stage 3, an int: DeepSpeed hands that one object to every
@@ -36,10 +37,13 @@ about these two.
 from __future__ import annotations
 
 import argparse
+import glob
 import math
 import os
 import shutil
+import socket
 import sys
+import uuid
 from pathlib import Path
 
 import torch
@@ -349,22 +353,30 @@ def write_universal(folder: Path, output: Path) -> None:
     except BaseException as err:
         if staged is not None:
             shutil.rmtree(staged, ignore_errors=True)
-        if isinstance(err, OSError):  # a full disk, a folder that cannot be written
+        # A folder that cannot be written (OSError), a full disk (torch.save's RuntimeError).
+        if isinstance(err, (OSError, RuntimeError)) and not isinstance(err, CheckpointError):
             raise CheckpointError(f"converting {folder} to {output}: {err}") from err
         raise
-    write_text(output.parent / LATEST_UNIVERSAL, output.name)
+    try:
+        write_text(output.parent / LATEST_UNIVERSAL, output.name)
+    except OSError as err:
+        raise CheckpointError(
+            f"{output} is written, but {output.parent / LATEST_UNIVERSAL} could not be: {err}; "
+            "load it by its tag"
+        ) from err
 
 
 def _staging_folder(output: Path) -> Path:
-    """A new folder beside ``output`` for this conversion to write into, named with this
-    process's id; the folders of killed conversions of ``output`` on this host are removed
-    (one still running is left alone)."""
-    for stale in output.parent.glob(f".{output.name}.partial-*"):
-        pid = stale.name.rpartition("-")[2]
-        if pid.isdigit() and not _alive(int(pid)):
+    """A new folder beside ``output`` for this conversion to write into, named with this host,
+    this process and a random part; the folders of killed conversions of ``output`` on this
+    host are removed (those of running ones, or of other hosts, are left alone)."""
+    host, prefix = socket.gethostname(), f".{output.name}.partial-"
+    for stale in output.parent.glob(f"{glob.escape(prefix)}*"):
+        owner = stale.name.removeprefix(prefix).rsplit("-", 2)  # host names may hold "-"
+        mine = len(owner) == 3 and owner[0] == host and owner[1].isdigit()
+        if mine and not _alive(int(owner[1])):
             shutil.rmtree(stale, ignore_errors=True)
-    staged = output.parent / f".{output.name}.partial-{os.getpid()}"
-    shutil.rmtree(staged, ignore_errors=True)  # this process's own, from an earlier try
+    staged = output.parent / f"{prefix}{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     staged.mkdir()
     return staged
 
