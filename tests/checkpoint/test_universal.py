@@ -160,6 +160,17 @@ def test_zerolaps_converter_takes_deepspeeds_stage_3_values(tmp_path):
     assert "param group 1 differs from group 0 in ['weight_decay']: DeepSpeed's ZeRO-3" in warning
 
 
+def test_a_converted_file_whose_bytes_changed_is_named(tmp_path):
+    ckpt = _copy(tmp_path)
+    write_universal(ckpt / "global_step3", ckpt / "mine")
+    path = ckpt / "mine" / "zero" / "fc1.weight" / "exp_avg.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit flipped, the size unchanged
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"fc1.weight/exp_avg.pt does not match the check"):
+        get_fp32_state_dict(ckpt, "mine")
+
+
 def test_a_converted_checkpoint_resumes_at_another_stage(ranks, tmp_path):
     ckpt = _copy(tmp_path)
     write_universal(ckpt / "global_step3", ckpt / "mine")
@@ -207,6 +218,7 @@ def test_a_zerolap_checkpoint_converts_whole(ranks, tmp_path, stage, client):
 
 
 def test_a_conversion_that_fails_leaves_nothing(tmp_path, monkeypatch):
+    import zerolap.checkpoint.files as files_module
     import zerolap.checkpoint.universal as universal
 
     ckpt = _copy(tmp_path)
@@ -223,7 +235,7 @@ def test_a_conversion_that_fails_leaves_nothing(tmp_path, monkeypatch):
     elsewhere = ckpt / ".mine.partial-other-host-999999999-0123abcd"
     for folder in (stale, elsewhere):
         (folder / "zero").mkdir(parents=True)
-    monkeypatch.setattr(universal, "write", failing)
+    monkeypatch.setattr(files_module, "write", failing)
     with pytest.raises(CheckpointError, match=r"converting .*global_step3 to .*mine: .*write fail"):
         write_universal(ckpt / "global_step3", ckpt / "mine")
     assert sorted(p.name for p in ckpt.iterdir()) == [elsewhere.name, "global_step3", TAG, "latest"]

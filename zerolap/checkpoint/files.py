@@ -309,6 +309,8 @@ def read_checkpoint(folder: Path, loading=None, *, hashed: bool = False) -> tupl
     from zerolap.checkpoint.universal import is_universal_checkpoint, read_universal
 
     if is_universal_checkpoint(folder):
+        if not hashed:
+            verify(folder)  # zerolap's conversions record checksums; DeepSpeed's do not
         return read_universal(folder)
     if not (folder / MODEL_FILE).is_file() and is_deepspeed_checkpoint(folder):
         return read_deepspeed(folder, loading)  # stage 3: one model file per rank

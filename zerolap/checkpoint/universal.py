@@ -64,7 +64,8 @@ from zerolap.checkpoint.files import (
     CheckpointError,
     logger,
     read_checkpoint,
-    write,
+    try_write,
+    write_checksums,
     write_text,
 )
 from zerolap.checkpoint.shards import SavedParams, Segment, SegmentIndex, gather_state
@@ -234,20 +235,39 @@ def _model_states(saved: dict, groups: list[dict], shapes: dict) -> dict:
     }
 
 
-def _write_parameter(where: Path, values: torch.Tensor, state: dict) -> int | None:
+class _Files:
+    """The conversion's files under ``root``, each written whole (``try_write``: a full disk is
+    named with the bytes short), their digests kept for ``checksums.json``, which zerolap's
+    loads verify as they do for its own checkpoints."""
+
+    def __init__(self, root: Path, what: str) -> None:
+        self.root, self.what, self.digests = root, what, {}
+
+    def put(self, obj, name: str) -> None:
+        path = self.root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        found, problem = try_write(obj, path)
+        if problem is not None:
+            raise CheckpointError(f"{self.what}: {problem}")
+        self.digests[name] = found
+
+
+def _write_parameter(files: _Files, name: str, values: torch.Tensor, state: dict) -> int | None:
     """``zero/<name>/``: the fp32 values and each per-element state, shaped, as DeepSpeed's
     converter writes them (``cat_dim`` on those the optimizer steps); the step count
     (returned) beside them, as a tensor: torch's Adam requires one, and DeepSpeed's fused Adam
     takes one too."""
-    where.mkdir(parents=True)
-    write({"param": values, **({"cat_dim": 0} if state else {})}, where / f"{_VALUES}.pt")
+    where = f"{STATES_DIR}/{name}"
+    files.put({"param": values, **({"cat_dim": 0} if state else {})}, f"{where}/{_VALUES}.pt")
     step = None
     for key, value in state.items():
         if key == _STEP:
             step = int(value.item() if isinstance(value, torch.Tensor) else value)
-            write(torch.tensor(float(step)), where / f"{_STEP}.pt")
+            files.put(torch.tensor(float(step)), f"{where}/{_STEP}.pt")
         elif isinstance(value, torch.Tensor) and value.numel() == values.numel():
-            write({"param": value.float().view(values.shape), "cat_dim": 0}, where / f"{key}.pt")
+            files.put(
+                {"param": value.float().view(values.shape), "cat_dim": 0}, f"{where}/{key}.pt"
+            )
     return step
 
 
@@ -311,13 +331,14 @@ def write_universal(folder: Path, output: Path) -> None:
     try:
         output.parent.mkdir(parents=True, exist_ok=True)
         staged = _staging_folder(output)
+        files = _Files(staged, f"converting {folder} to {output}")
         steps, written = [], set()
         for name in dict.fromkeys([*saved["param_names"], *saved["frozen"]]):
             if params.has(name):
                 values = params.whole_fp32(name)
                 segments = [Segment(name, 0, values.numel(), 0)]
                 state = gather_state(values.numel(), torch.float32, segments, index)
-                steps.append(_write_parameter(staged / STATES_DIR / name, values, state))
+                steps.append(_write_parameter(files, name, values, state))
                 written.add(name)
         # As DeepSpeed's converter: every other module entry's values too (tied aliases,
         # buffers), which its loaders ignore.
@@ -326,8 +347,7 @@ def write_universal(folder: Path, output: Path) -> None:
             if key in written or (source is None and not isinstance(tensor, torch.Tensor)):
                 continue
             values = params.whole_fp32(source) if source in written else tensor.float()
-            (staged / STATES_DIR / key).mkdir(parents=True)
-            write({"param": values}, staged / STATES_DIR / key / f"{_VALUES}.pt")
+            files.put({"param": values}, f"{STATES_DIR}/{key}/{_VALUES}.pt")
         step = max((s for s in steps if s is not None), default=0)
         scalars = {
             "zero_stage": 2,  # the layout of param_shapes and step.pt, whatever stage saved it
@@ -341,12 +361,15 @@ def write_universal(folder: Path, output: Path) -> None:
                 "param_groups": hyper,
             },
         }
-        write(scalars, staged / STATES_DIR / GLOBAL_STATE)
-        write(_model_states(saved, groups, params.shapes), staged / MODEL_FILE)
+        files.put(scalars, f"{STATES_DIR}/{GLOBAL_STATE}")
+        files.put(_model_states(saved, groups, params.shapes), MODEL_FILE)
         try:  # the name stage 3 reads
             os.link(staged / MODEL_FILE, staged / ZERO3_MODEL_FILE)
         except OSError:  # a filesystem without hard links
             shutil.copyfile(staged / MODEL_FILE, staged / ZERO3_MODEL_FILE)
+        files.digests[ZERO3_MODEL_FILE] = files.digests[MODEL_FILE]
+        identity = {"id": uuid.uuid4().hex, "tag": output.name, "step": saved["global_steps"]}
+        write_checksums(staged, identity, files.digests)
         if output.exists():  # (a rename onto an empty folder would replace it silently)
             raise CheckpointError(f"{output} appeared while this conversion ran; nothing written")
         os.rename(staged, output)
