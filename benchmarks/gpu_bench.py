@@ -15,16 +15,24 @@ weight decay 0.01), each in a fresh process, the rows alternating order round by
   refreshed from them. With ``--gas`` above 1 it accumulates the micro-batches' gradients in
   bf16 (``.grad``, as zerolap's stages 0-1 do); stages 2-3 accumulate their shard in fp32, so
   their losses drift from plain's by that rounding.
-* ``z0`` .. ``z3``: zerolap at that stage; ``z2-cpu``: stage 2 with ``offload_optimizer: cpu``;
-  ``z3-cpu``: stage 3 with ``offload_optimizer`` and ``offload_param`` on ``cpu``.
-* ``ds0`` .. ``ds3``, ``ds2-cpu``, ``ds3-cpu``: DeepSpeed with the same ds_config, where
-  ``import deepspeed`` reaches DeepSpeed itself (not zerolap's shim); a row DeepSpeed cannot
-  run (its CPU Adam must compile) prints its error instead.
+* ``z0`` .. ``z3``: zerolap at that stage; ``z3-blocks``: stage 3 gathering each Transformer
+  block whole (``stage3_module_granularity_threshold`` at the blocks' granularity: one
+  collective and one pair of hooks per block instead of per layer); ``z2-cpu``: stage 2 with
+  ``offload_optimizer: cpu``; ``z3-cpu``: stage 3 with ``offload_optimizer`` and
+  ``offload_param`` on ``cpu``.
+* ``ds0`` .. ``ds3``, ``ds3-blocks``, ``ds2-cpu``, ``ds3-cpu``: DeepSpeed with the same
+  ds_config, where ``import deepspeed`` reaches DeepSpeed itself (not zerolap's shim); a row
+  DeepSpeed cannot run (its CPU Adam must compile) prints its error instead.
 
 Per row: the median step time (forward, backward, step; the device synchronized around each),
 against plain's; the accelerator's peak allocated memory; the process's peak RSS (where the
 offloaded state went); and the largest difference of the losses from plain's over the steps.
 Targets (issue 14): stages 0-2 at most 1.03x plain, stage 3 at most 1.10x.
+
+``--model thin`` keeps GPT-2 small's twelve blocks and layers at a width whose arithmetic is
+small: on a CPU its step time over plain's is mostly the framework's host work per step, what a
+GPU waits for when its kernels are shorter than the host's bookkeeping (stage 3's per-layer
+gathers, reductions and hooks). ``--profile`` says where the time went.
 
 Without an accelerator it runs on CPU (gloo) and says so: a check that the script works, whose
 figures say nothing about GPUs (offload to host memory then moves nothing).
@@ -33,6 +41,10 @@ figures say nothing about GPUs (offload to host memory then moves nothing).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
+import io
+import pstats
 import resource
 import statistics
 import sys
@@ -51,15 +63,20 @@ MODELS = {  # name -> GPTConfig keywords
     "gpt2": dict(vocab_size=50304, seq_len=1024, n_layer=12, n_head=12, d_model=768),
     "42m": dict(vocab_size=8192, seq_len=256, n_layer=12, n_head=8, d_model=512),
     "small": dict(vocab_size=4096, seq_len=128, n_layer=5, n_head=4, d_model=256),
+    # GPT-2 small's 12 blocks at a width whose arithmetic is negligible: its step time on a CPU
+    # is the host's work per step, which on a GPU is the step when the host falls behind.
+    "thin": dict(vocab_size=512, seq_len=32, n_layer=12, n_head=4, d_model=64),
 }
-SYSTEMS = {  # name -> (framework, stage, offload)
-    "plain": ("torch", 0, False),
-    **{f"z{s}": ("zerolap", s, False) for s in range(4)},
-    "z2-cpu": ("zerolap", 2, True),
-    "z3-cpu": ("zerolap", 3, True),
-    **{f"ds{s}": ("deepspeed", s, False) for s in range(4)},
-    "ds2-cpu": ("deepspeed", 2, True),
-    "ds3-cpu": ("deepspeed", 3, True),
+SYSTEMS = {  # name -> (framework, stage, offload, blocks gathered whole)
+    "plain": ("torch", 0, False, False),
+    **{f"z{s}": ("zerolap", s, False, False) for s in range(4)},
+    "z3-blocks": ("zerolap", 3, False, True),
+    "z2-cpu": ("zerolap", 2, True, False),
+    "z3-cpu": ("zerolap", 3, True, False),
+    **{f"ds{s}": ("deepspeed", s, False, False) for s in range(4)},
+    "ds3-blocks": ("deepspeed", 3, False, True),
+    "ds2-cpu": ("deepspeed", 2, True, False),
+    "ds3-cpu": ("deepspeed", 3, True, False),
 }
 TARGET = {0: 1.03, 1: 1.03, 2: 1.03, 3: 1.10}  # step time over plain's
 
@@ -72,10 +89,17 @@ class Row:
     peak_rss_bytes: int
     device: str
     syncs_per_step: float | None = None  # --count-syncs: implicit host syncs, measured steps
+    profile: str | None = None  # --profile: where the measured steps' host and device time went
 
 
-def _config(stage: int, offload: bool, batch: int, gas: int) -> dict:
+def _config(stage: int, offload: bool, batch: int, gas: int, model: str = "gpt2") -> dict:
     zero: dict = {"stage": stage}
+    if model == "thin":
+        # Stage 3 shards and prefetches what it would in GPT-2 small: the defaults (100,000
+        # and 50,000,000 elements) scaled by the matrices' size against GPT-2 small's.
+        scale = (MODELS["thin"]["d_model"] / MODELS["gpt2"]["d_model"]) ** 2
+        zero["stage3_param_persistence_threshold"] = int(1e5 * scale)
+        zero["stage3_prefetch_bucket_size"] = int(5e7 * scale)
     if offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
         if stage == 3:
@@ -140,6 +164,7 @@ def _row(
     steps: int,
     warmup: int,
     count_syncs: bool,
+    profile: bool,
     port,
     results,
 ):
@@ -149,7 +174,7 @@ def _row(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     try:
-        row = _measure(system, model_name, batch, gas, steps, warmup, count_syncs)
+        row = _measure(system, model_name, batch, gas, steps, warmup, count_syncs, profile)
         results.put((rank, True, row))
     except BaseException:
         import traceback
@@ -158,13 +183,20 @@ def _row(
 
 
 def _measure(
-    system: str, model_name: str, batch: int, gas: int, steps: int, warmup: int, count_syncs: bool
+    system: str,
+    model_name: str,
+    batch: int,
+    gas: int,
+    steps: int,
+    warmup: int,
+    count_syncs: bool,
+    profile: bool = False,
 ) -> Row:
     import torch
 
     from zerolap.demo.gpt import GPT, GPTConfig, synthetic_batch
 
-    framework, stage, offload = SYSTEMS[system]
+    framework, stage, offload, blocks = SYSTEMS[system]
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -181,17 +213,21 @@ def _measure(
                 raise RuntimeError("import deepspeed reaches zerolap's shim, not DeepSpeed")
         else:
             import zerolap as deepspeed
+        config = _config(stage, offload, batch, gas, model_name)
+        if blocks:
+            config["zero_optimization"]["stage3_module_granularity_threshold"] = _block_size(model)
         engine, *_ = deepspeed.initialize(
             model=model,
             model_parameters=model.parameters(),
-            config=_config(stage, offload, batch, gas),
+            config=config,
         )
         trainer = _Engine(engine)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     step_s, losses = [], []
     counting = count_syncs and cuda
-    with warnings.catch_warnings(record=counting) as caught:
+    profiling = contextlib.ExitStack()
+    with profiling, warnings.catch_warnings(record=counting) as caught:
         for step in range(warmup + steps):
             micro_batches = [
                 tuple(t.to(device) for t in synthetic_batch(cfg, batch, seed=step * gas + m))
@@ -202,6 +238,8 @@ def _measure(
                 warnings.simplefilter("always")
                 torch.cuda.set_sync_debug_mode("warn")  # each implicit sync warns
                 caught.clear()
+            if profile and step == warmup:
+                profilers = _start_profiling(profiling, torch, cuda)
             start = time.perf_counter()
             losses.append(trainer.train_step(micro_batches))
             sync()
@@ -217,6 +255,44 @@ def _measure(
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         device=torch.cuda.get_device_name(device) if cuda else "cpu (no accelerator)",
         syncs_per_step=found / steps if counting else None,
+        profile=_profile_summary(*profilers, sum(step_s), steps) if profile else None,
+    )
+
+
+def _block_size(model) -> int:
+    """The granularity (DeepSpeed's measure, which both compute alike) of the GPT's blocks: as
+    ``stage3_module_granularity_threshold`` it gathers each block whole, with one collective."""
+    from zerolap.demo.gpt import Block
+    from zerolap.zero.leaf_modules import granularities
+
+    return max(g for module, g in granularities(model).items() if isinstance(module, Block))
+
+
+def _start_profiling(stack: contextlib.ExitStack, torch, cuda: bool):
+    """torch's profiler (host ops and, on a GPU, kernels) and Python's (the framework's own
+    functions) over the measured steps; they end with ``stack``."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    ops = stack.enter_context(torch.profiler.profile(activities=activities))
+    python = cProfile.Profile()
+    stack.callback(python.disable)
+    python.enable()
+    return ops, python
+
+
+def _profile_summary(ops, python: cProfile.Profile, wall_s: float, steps: int) -> str:
+    """The device's busy share of the steps (kernel time over wall time: below 1 the host or
+    a wait held it up), the ops taking most host time, and the Python functions."""
+    averages = ops.key_averages()
+    kernel_s = sum(getattr(e, "self_device_time_total", 0) for e in averages) / 1e6
+    out = io.StringIO()
+    stats = pstats.Stats(python, stream=out)
+    stats.sort_stats("tottime").print_stats(25)
+    return (
+        f"kernels {kernel_s / steps * 1e3:.2f} ms a step, {kernel_s / wall_s:.0%} of the "
+        f"steps' wall time (profiled, so slower than the timing rows)\n"
+        f"{averages.table(sort_by='self_cpu_time_total', row_limit=20)}\n{out.getvalue()}"
     )
 
 
@@ -235,6 +311,12 @@ def _parse(argv):
         action="store_true",
         help="count the implicit host syncs of each measured step (CUDA's sync debug mode, "
         "which slows the step: a diagnosis, not a timing)",
+    )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="profile the measured steps (torch's profiler and cProfile) and print where the "
+        "host's and the device's time went, after the table: a diagnosis, not a timing",
     )
     parser.add_argument(
         "--budget-s",
@@ -266,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 job = (
                     name, args.model, args.batch, args.gas, args.steps, args.warmup,
-                    args.count_syncs,
+                    args.count_syncs, args.profile,
                 )  # fmt: skip
                 row = spawn(1, _row, job, timeout)[0]
                 runs[name].append(row)
@@ -291,18 +373,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.steps} steps x up to {args.rounds} rounds after {args.warmup} warm-up steps"
     )
     syncs = f" {'syncs/step':>10}" if args.count_syncs else ""
-    print(f"{'system':8} {'step':>9} {'vs plain':>9} {'target':>7} {'peak device':>12} "
+    print(f"{'system':10} {'step':>9} {'vs plain':>9} {'target':>7} {'peak device':>12} "
           f"{'peak RSS':>9} {'loss diff':>10}{syncs}")  # fmt: skip
     for name in systems:
         if name in errors:
-            print(f"{name:8} failed: {errors[name]}")
+            print(f"{name:10} failed: {errors[name]}")
             continue
         rows = runs[name]
         if not rows:
-            print(f"{name:8} not run: --budget-s {args.budget_s:.0f} spent")
+            print(f"{name:10} not run: --budget-s {args.budget_s:.0f} spent")
             continue
         step = statistics.median(s for row in rows for s in row.step_s)
-        framework, stage, offload = SYSTEMS[name]
+        framework, stage, offload, _ = SYSTEMS[name]
         target = f"{TARGET[stage]:.2f}x" if framework == "zerolap" and not offload else ""
         diff = max(
             abs(a - b) for row in rows for a, b in zip(row.losses, plain[0].losses, strict=True)
@@ -310,10 +392,14 @@ def main(argv: list[str] | None = None) -> int:
         counted = [r.syncs_per_step for r in rows if r.syncs_per_step is not None]
         syncs = f" {statistics.median(counted):10.1f}" if counted else ""
         print(
-            f"{name:8} {step * 1e3:7.1f}ms {step / base:8.3f}x {target:>7} "
+            f"{name:10} {step * 1e3:7.1f}ms {step / base:8.3f}x {target:>7} "
             f"{max(r.peak_device_bytes for r in rows) / MIB:9.0f}MiB "
             f"{max(r.peak_rss_bytes for r in rows) / MIB:6.0f}MiB {diff:10.2e}{syncs}"
         )
+    for name in systems:
+        for row in runs[name]:
+            if row.profile is not None:
+                print(f"\n=== {name}: {row.profile}")
     return 0
 
 

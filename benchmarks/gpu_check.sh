@@ -15,6 +15,8 @@
 #            FusedAdam and CPUAdam, a minute or more each)
 #   syncs    the implicit host syncs per step of plain and of zerolap's rows (CUDA's sync debug
 #            mode; a diagnosis of the step times, not a timing)
+#   profile  where stage 3's steps spend host and device time (torch's profiler and cProfile
+#            over 3 steps of plain, z3 and z3-blocks; a diagnosis, not a timing)
 # Every log goes to $OUT as it is written, so a call cut short still brings back what ran.
 # BUDGET_S (default 300) is the seconds the call may take: each benchmark pass starts no row
 # after its share, and a row started late may run a minute over.
@@ -32,6 +34,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     --target /tmp/site .whl/*.whl || exit 1
 # The repository's zerolap, and (for the ds rows) the real DeepSpeed: no shim is installed here.
 export PYTHONPATH=$PWD:/tmp/site
+# DeepSpeed's JIT builds for the device's own architecture: left to itself on this image (an
+# H200, torch 2.11), DeepSpeed 0.19.8 failed every GPU row with "invalid literal for int()
+# with base 10: '0a'" before it built anything.
+TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-$(python3 -c 'import torch
+print("%d.%d" % torch.cuda.get_device_capability())')} || exit 1
+export TORCH_CUDA_ARCH_LIST
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version,compute_mode --format=csv,noheader
     python3 -c 'import torch, deepspeed, pydantic
@@ -53,17 +61,21 @@ for pass in $PASSES; do
         timeout 300 python3 -m pytest -v -rA -p no:cacheprovider --timeout 100 \
             --junitxml "$OUT/cuda_tests.xml" tests/cuda 2>&1 | tee "$OUT/cuda_tests.log" ;;
     zerolap)  # leaves 60 s for the accumulation pass
-        bench gpu_bench.log 60 --rounds 2 --systems plain z0 z1 z2 z3 z2-cpu z3-cpu ;;
+        bench gpu_bench.log 60 --rounds 2 --systems plain z0 z1 z2 z3 z3-blocks z2-cpu z3-cpu ;;
     gas)
         bench gpu_bench_gas4.log 0 --gas 4 --steps 8 --warmup 2 --rounds 1 \
             --systems plain z2 z2-cpu ;;
     ds)  # leaves 60 s for the syncs pass
-        bench gpu_bench_ds.log 60 --rounds 1 --systems plain ds0 ds1 ds2 ds3 ds2-cpu ds3-cpu ;;
+        bench gpu_bench_ds.log 60 --rounds 1 \
+            --systems plain ds0 ds1 ds2 ds3 ds3-blocks ds2-cpu ds3-cpu ;;
     syncs)
         bench gpu_bench_syncs.log 0 --count-syncs --steps 3 --warmup 2 --rounds 1 \
             --systems plain z0 z2 z3 z2-cpu z3-cpu ;;
+    profile)
+        bench gpu_profile.log 0 --profile --steps 3 --warmup 3 --rounds 1 \
+            --systems plain z3 z3-blocks ;;
     *)
-        echo "gpu_check: unknown pass '$pass' (tests, zerolap, gas, ds, syncs)" >&2
+        echo "gpu_check: unknown pass '$pass' (tests, zerolap, gas, ds, syncs, profile)" >&2
         exit 2 ;;
     esac
 done

@@ -103,12 +103,12 @@ def test_unsupported_keys_names_nested_keys_with_their_deepspeed_spelling():
     zero = {
         "stage": 3,
         "mics_shard_size": 4,
-        "stage3_module_granularity_threshold": 100,
+        "stage3_use_all_reduce_for_fetch_params": True,
         "offload_optimizer": {"device": "cpu", "super_offload": True},
     }
     config = load({"zero_optimization": zero})
     assert config.unsupported_keys() == [
         "zero_optimization.offload_optimizer.super_offload",
         "zero_optimization.mics_shard_size",
-        "zero_optimization.stage3_module_granularity_threshold",
+        "zero_optimization.stage3_use_all_reduce_for_fetch_params",
     ]

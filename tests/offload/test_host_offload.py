@@ -83,12 +83,19 @@ VARIANTS = [
 ]
 
 
+# torch's CUDA Adam kernels form 1 - beta2 in fp32, its CPU kernels in double: with AdamW's
+# default beta2 0.999, exp_avg_sq stepped on a GPU is this share (1.29e-5) below the host's.
+# An H200 showed it on 2026-11-27: every exp_avg_sq of the fp32 variants, nothing else.
+CUDA_BETA2_GAP = abs((1 - float(torch.tensor(0.999))) - (1 - 0.999)) / (1 - 0.999)
+
+
 def check_host_step(directory: str, exact: bool = True) -> list[str]:
     """Each variant against the same run without offload: bit for bit (the host's kernels
     step both), or, on a GPU whose kernels step the run without offload, within 1e-5 of each
-    tensor's largest value in fp32 and 2e-2 in 16 bits (a master value one rounding apart can
-    round its 16-bit parameter the other way, and training carries that on). A copy raced by
-    its stream would be off by a whole step."""
+    tensor's largest value in fp32 (exp_avg_sq: 1e-5 more than ``CUDA_BETA2_GAP``) and 2e-2
+    in 16 bits (a master value one rounding apart can round its 16-bit parameter the other
+    way, and training carries that on). A copy raced by its stream would be off by a whole
+    step."""
     failures = []
     for stage, dtype, opt, param in VARIANTS:
         name = f"stage {stage} {dtype or 'fp32'} optimizer {opt} param {param}"
@@ -97,7 +104,8 @@ def check_host_step(directory: str, exact: bool = True) -> list[str]:
         config = _config(stage, dtype=dtype, opt=opt, param=param)
         got, got_state, memory, copies = _run(config, host=True)
         rtol = 0.0 if exact else 1e-5 if dtype is None else 2e-2
-        failures += differences(name, (got, got_state), (want, want_state), rtol)
+        state_rtol = {"exp_avg_sq": rtol + CUDA_BETA2_GAP} if rtol else None
+        failures += differences(name, (got, got_state), (want, want_state), rtol, state_rtol)
         if memory.host_bytes <= 0:
             failures.append(f"{name}: nothing reported in host memory")
         if param is not None and param["device"] == "cpu" and memory.params_bytes:

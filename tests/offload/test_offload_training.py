@@ -7,6 +7,7 @@ a named error."""
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import subprocess
 from pathlib import Path
@@ -84,27 +85,29 @@ def _mine(directory: str) -> list[str]:
     return [n for n in os.listdir(directory) if f"rank{dist.get_rank()}-" in n]
 
 
-def differences(name: str, got, want, rtol: float = 0.0) -> list[str]:
+def differences(name: str, got, want, rtol: float = 0.0, state_rtol=None) -> list[str]:
     """What differs between two runs' (parameters, optimizer state): bit for bit, or with
     ``rtol`` by more than that share of the wanted tensor's largest magnitude (steps taken by
-    another device's kernels)."""
+    another device's kernels); ``state_rtol`` gives some state fields their own."""
 
-    def same(a, b) -> bool:
+    def gap(a, b) -> float | None:
+        """None when equal within ``tolerance``, else the difference as a share of ``b``."""
         a, b = torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu()
-        if not rtol:
-            return torch.equal(a, b)
-        if a.shape != b.shape or a.numel() == 0:
-            return a.shape == b.shape
+        if a.shape != b.shape:
+            return math.inf
+        if torch.equal(a, b) or a.numel() == 0:
+            return None
         a, b = a.double(), b.double()
-        return bool((a - b).abs().max() <= rtol * b.abs().max())
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
 
     out = []
-    if not all(same(g, w) for g, w in zip(got[0], want[0], strict=True)):
+    if any((gap(g, w) or 0.0) > rtol for g, w in zip(got[0], want[0], strict=True)):
         out.append(f"{name}: parameters differ by {_close(got[0], want[0])}")
     for k, entry in want[1].items():
         for key, value in entry.items():
-            if not same(got[1][k][key], value):
-                out.append(f"{name}: state {k}.{key} differs")
+            share = gap(got[1][k][key], value)
+            if share is not None and share > (state_rtol or {}).get(key, rtol):
+                out.append(f"{name}: state {k}.{key} differs by {share:.3g} of its largest")
     return out
 
 

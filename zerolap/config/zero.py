@@ -97,6 +97,13 @@ class ZeroConfig(ConfigSection):
     """Stage 3: gather full 16-bit weights when saving the model."""
     leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
     """Stage 3: modules gathered whole with their subtree (mixture-of-experts blocks)."""
+    module_granularity_threshold: int = Field(
+        0, ge=0, validation_alias=_stage3("module_granularity_threshold")
+    )
+    """Stage 3: modules whose *granularity* (DeepSpeed's measure: the parameter elements of
+    the subtree over the modules in it) is at most this are gathered whole, as leaves, with one
+    collective and one pair of hooks instead of one per child (``zero.leaf_modules``). 0: off.
+    """
     compute_grad_norm: bool = True
     """Compute the global gradient norm at every step (for clipping and
     ``engine.get_global_grad_norm()``); false saves its all-reduce and needs
@@ -146,10 +153,6 @@ class ZeroConfig(ConfigSection):
     """DeepSpeed's internal stage-3 sanity checks."""
     save_muon_momentum_buffer_in_memory: Annotated[bool, DeepSpeedOnly()] = False
     """DeepSpeed keeps Muon's momentum in memory when swapping to NVMe."""
-    module_granularity_threshold: Annotated[int, DeepSpeedOnly()] = Field(
-        0, validation_alias=_stage3("module_granularity_threshold")
-    )
-    """DeepSpeed fetches fine-grained modules as one unit."""
     use_all_reduce_for_fetch_params: Annotated[bool, DeepSpeedOnly()] = Field(
         False, validation_alias=_stage3("use_all_reduce_for_fetch_params")
     )

@@ -56,7 +56,7 @@ from zerolap.zero.flat_params import FlatParams
 from zerolap.zero.grad_storage import FullGradients, ShardGradients
 from zerolap.zero.in_flight import ForwardWaits
 from zerolap.zero.layout import build_layout, layout_from_groups
-from zerolap.zero.leaf_modules import apply_leaf_config
+from zerolap.zero.leaf_modules import apply_granularity_threshold, apply_leaf_config
 from zerolap.zero.optimizer import ZeroOptimizer
 from zerolap.zero.param_access import ParamAccess
 from zerolap.zero.reducer import GradReducer
@@ -206,6 +206,8 @@ class ZerolapEngine(torch.nn.Module):
         self.units = None  # stage 3's fetch units (zero.units.UnitPlan)
         if self.plan.shard_params:
             apply_leaf_config(module, zero.leaf_module)
+            if zero.module_granularity_threshold:
+                apply_granularity_threshold(module, zero.module_granularity_threshold)
             for submodule in module.modules():
                 ensure_registry(submodule)  # ds_external_parameters() on every module
             self.units = plan_units(

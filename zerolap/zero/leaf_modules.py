@@ -8,17 +8,29 @@ together by the module's own hooks, and its children get none (``zero.units``).
 The mark is ``module._z3_leaf = True``, DeepSpeed's attribute, so models marked for DeepSpeed
 are marked for zerolap. ``zero_optimization.leaf_module`` marks them from the config at
 ``initialize`` (``apply_leaf_config``).
+
+Fine-grained models pay per child: each module with parameters costs stage 3 a gather, a
+reduction and four hooks per step, mostly host time that a GPU waits for when its kernels are
+short. ``zero_optimization.stage3_module_granularity_threshold`` marks leaves by size
+(``mark_leaves_by_granularity``), with DeepSpeed's measure and order, so a config tuned there
+groups the same modules here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from logging import WARNING
 
 import torch
 
+from zerolap.zero.status import full_numel
+
 __all__ = [
+    "apply_granularity_threshold",
     "apply_leaf_config",
     "get_z3_leaf_modules",
+    "granularities",
+    "mark_leaves_by_granularity",
     "set_z3_leaf_module",
     "set_z3_leaf_modules",
     "set_z3_leaf_modules_by_name",
@@ -128,3 +140,101 @@ def apply_leaf_config(model: torch.nn.Module, section) -> list[torch.nn.Module]:
     if unknown:
         logger.warning(f"zero_optimization.leaf_module: no module matches {', '.join(unknown)}")
     return list({id(m): m for m in marked + by_name + by_suffix}.values())
+
+
+# Containers only hold modules and may never run themselves: their children keep their hooks.
+_CONTAINERS = (
+    torch.nn.Sequential,
+    torch.nn.ModuleList,
+    torch.nn.ModuleDict,
+    torch.nn.ParameterList,
+    torch.nn.ParameterDict,
+)
+# A leaf is gathered whole while it runs: a subtree larger than this never becomes one, however
+# fine its modules (DeepSpeed's bound, so both group the same modules).
+MAX_LEAF_NUMEL = 1_000_000_000
+
+
+def granularities(model: torch.nn.Module) -> dict[torch.nn.Module, int]:
+    """DeepSpeed's *granularity* of each module that may become a leaf: its subtree's parameter
+    elements (full sizes, also when sharded) floor-divided by the modules counted in it, itself
+    included. Modules without children count one; containers count their children but not
+    themselves and are never leaves; modules holding no parameter count nothing. Modules
+    without children, containers and subtrees over ``MAX_LEAF_NUMEL`` elements are left out."""
+    found: dict[torch.nn.Module, int] = {}
+
+    def visit(module: torch.nn.Module) -> tuple[int, int]:
+        if next(module.parameters(), None) is None:
+            return 0, 0
+        numel = sum(full_numel(p) for p in module.parameters(recurse=False))
+        children = list(module.children())
+        if not children:
+            return 1, numel
+        count = 0
+        for child in children:
+            child_count, child_numel = visit(child)
+            count += child_count
+            numel += child_numel
+        if isinstance(module, _CONTAINERS):
+            return count, numel
+        count += 1
+        if numel <= MAX_LEAF_NUMEL:
+            found[module] = numel // count
+        return count, numel
+
+    visit(model)
+    return found
+
+
+def mark_leaves_by_granularity(
+    model: torch.nn.Module, threshold: int
+) -> tuple[list[torch.nn.Module], dict[torch.nn.Module, int]]:
+    """Mark as leaves the outermost modules whose granularity is at most ``threshold``,
+    looking at a module's children only when it is not marked itself. The model itself is
+    never a leaf (as when marked by hand, ``zero.units``): when it qualifies, its children are
+    looked at. Returns the marked modules and every module's granularity."""
+    sizes = granularities(model)
+    marked: list[torch.nn.Module] = []
+
+    def visit(module: torch.nn.Module) -> None:
+        if module is not model and sizes.get(module, threshold + 1) <= threshold:
+            set_z3_leaf_module(module, True)
+            marked.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return marked, sizes
+
+
+def apply_granularity_threshold(model: torch.nn.Module, threshold: int) -> list[torch.nn.Module]:
+    """``zero_optimization.stage3_module_granularity_threshold``: mark the leaves it selects and
+    say which, or, when none qualifies, which module is finest and what threshold would take
+    it (DeepSpeed warns likewise), once, on rank 0."""
+    from zerolap.utils.logging import log_dist
+
+    key = "zero_optimization.stage3_module_granularity_threshold"
+    marked, sizes = mark_leaves_by_granularity(model, threshold)
+    names = {module: name or "<model>" for name, module in model.named_modules()}
+    if marked:
+        shown = ", ".join(f"'{names[m]}' ({sizes[m]:,})" for m in marked[:4])
+        more = f" and {len(marked) - 4} more" if len(marked) > 4 else ""
+        log_dist(
+            f"{key} {threshold:,}: {len(marked)} modules gathered whole with their children, "
+            f"one collective each (granularity in elements per module): {shown}{more}",
+            ranks=[0],
+        )
+        return marked
+    candidates = {m: g for m, g in sizes.items() if m is not model}
+    if not candidates:
+        log_dist(f"{key} {threshold:,}: no module has children to gather with it", [0], WARNING)
+        return marked
+    finest = min(candidates, key=candidates.get)
+    log_dist(
+        f"{key} {threshold:,} groups no module: the finest is '{names[finest]}' with "
+        f"{candidates[finest]:,} elements per module; a threshold at least that groups it",
+        [0],
+        WARNING,
+    )
+    return marked
