@@ -155,27 +155,17 @@ class _Engine:
         return sum(loss.item() for loss in losses) / len(losses)
 
 
-def _row(
-    rank: int,
-    system: str,
-    model_name: str,
-    batch: int,
-    gas: int,
-    steps: int,
-    warmup: int,
-    count_syncs: bool,
-    profile: bool,
-    port,
-    results,
-):
+def _row(rank: int, *job_port_results) -> None:
+    """One row in this fresh process: ``_measure(*job)``, its result (or its traceback) put on
+    ``results``."""
     import os
 
+    *job, port, results = job_port_results
     os.environ.update(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     try:
-        row = _measure(system, model_name, batch, gas, steps, warmup, count_syncs, profile)
-        results.put((rank, True, row))
+        results.put((rank, True, _measure(*job)))
     except BaseException:
         import traceback
 

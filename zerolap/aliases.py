@@ -72,6 +72,7 @@ MODULES: dict[str, str] = {
     "runtime.sequence_parallel.ulysses_sp": "zerolap.sequence_parallel",
     "runtime.utils": "zerolap.runtime.utils",
     "runtime.zero": "zerolap.zero",
+    "runtime.zero.offload_config": "zerolap.offload.states",
     "runtime.zero.partition_parameters": "zerolap.zero.partition_parameters",
     "utils": "zerolap.utils",
     "utils.groups": "zerolap.runtime.groups",

@@ -18,6 +18,7 @@ import torch
 
 from tests.multiproc import RankFailure, run_on_ranks
 from tests.offload.test_host_offload import check_host_step, resume, save_and_continue
+from tests.offload.test_offload_states import check_all_parked, device_memory_parked
 from tests.offload.test_offload_training import _close
 from tests.tensor_parallel.test_layers import check_fused_gpt_attention
 from tests.zero.test_parity import check_parity
@@ -99,3 +100,13 @@ def test_checkpoint_from_the_gpu_resumes_on_it_and_on_a_cpu(tmp_path):
     no_gpu = {"CUDA_VISIBLE_DEVICES": "", "DS_ACCELERATOR": "cpu"}
     cpu = run_on_ranks(resume, 1, ckpt, 3, False, env=no_gpu, timeout=45)
     assert _close(cpu[0], want) < 1e-4
+
+
+def test_offload_states_frees_the_gpu_and_comes_back():
+    """``offload_states()`` at every stage on the GPU: the states leave the device (its
+    allocator's count drops by at least the model state the engine counts), the engine
+    refuses what needs them, and after ``reload_states()`` training goes on bit for bit."""
+    assert on_gpu(check_all_parked, timeout=95)[0] == []
+    memory = on_gpu(device_memory_parked, timeout=45)[0]
+    assert memory["freed"] >= memory["state"] > 0, memory
+    assert memory["taken back"] == memory["freed"], memory

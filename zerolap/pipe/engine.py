@@ -409,6 +409,7 @@ class PipelineEngine(ZerolapEngine):
         ``(inputs, labels)`` from ``data_iter`` (read on the first and last stages only);
         returns the mean loss on every rank."""
         self._require_optimizer("train_batch")
+        self._refuse_if_parked("step")  # the whole step: forward, backward and the update
         if not torch.is_grad_enabled():
             raise PipelineError("train_batch() under torch.no_grad(); use eval_batch()")
         batch = _Batch(self.micro_batches, train=True)
@@ -458,6 +459,7 @@ class PipelineEngine(ZerolapEngine):
         outputs, averaged over micro-batches, stay on the last stage."""
         if reduce_output not in ("avg", None):
             raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): use 'avg' or None")
+        self._refuse_if_parked("forward")
         micro_batches = num_micro_batches or self.micro_batches
         batch = _Batch(micro_batches, train=False, compute_loss=compute_loss)
         self._read(data_iter, batch)

@@ -728,6 +728,7 @@ class ZerolapEngine(torch.nn.Module):
             )
 
     def forward(self, *inputs, **kwargs):
+        self._refuse_if_parked("forward")
         start = time.perf_counter()
         self.tput_timer.start()
         if self.fetcher is not None:
@@ -874,6 +875,7 @@ class ZerolapEngine(torch.nn.Module):
         ``scale_wrt_gas`` is false, and multiplied by the fp16 loss scale) and reduce gradients
         when this micro-batch is due to. Returns the loss as divided, as DeepSpeed does."""
         self._require_optimizer("backward")
+        self._refuse_if_parked("backward")
         see_memory_usage("Engine before backward", force=self._config.memory_breakdown)
         self._open_backward("engine")
         gas = self.gradient_accumulation_steps() if scale_wrt_gas else 1
@@ -910,6 +912,7 @@ class ZerolapEngine(torch.nn.Module):
         """Call after every micro-batch (or, with ``set_gradient_accumulation_boundary``, at
         the boundary only); the optimizer runs at the accumulation boundary."""
         self._require_optimizer("step")
+        self._refuse_if_parked("step")
         see_memory_usage("Engine before step", force=self._config.memory_breakdown)
         boundary = self.is_gradient_accumulation_boundary()
         stop = None  # a NonFiniteGradientError to raise once the step is counted
@@ -1245,6 +1248,7 @@ class ZerolapEngine(torch.nn.Module):
         ``latest`` names the tag once all are complete. Call on all ranks."""
         from zerolap.checkpoint.engine_io import save_checkpoint
 
+        self._refuse_if_parked("save_checkpoint")
         return save_checkpoint(
             self,
             save_dir,
@@ -1271,6 +1275,7 @@ class ZerolapEngine(torch.nn.Module):
         replaces the module's ``load_state_dict``. Call on all ranks."""
         from zerolap.checkpoint.engine_io import load_checkpoint
 
+        self._refuse_if_parked("load_checkpoint")
         return load_checkpoint(
             self,
             load_dir,
@@ -1336,6 +1341,23 @@ class ZerolapEngine(torch.nn.Module):
             self.optimizer.finish_step()
         if self.param_store is not None:
             self.param_store.settle()
+
+    def offload_states(self, *args, **kwargs) -> None:
+        """DeepSpeed's ``engine.offload_states(include, device, pin_memory, non_blocking)``:
+        the model states of the kinds in ``include`` move to host memory, freeing the
+        accelerator's, until ``reload_states()`` (``ZeroOptimizer.offload_states``)."""
+        self._require_optimizer("offload_states")
+        self.optimizer.offload_states(*args, **kwargs)
+
+    def reload_states(self, *args, **kwargs) -> None:
+        """``reload_states(include=None, non_blocking=False)``: what ``offload_states`` moved
+        comes back."""
+        self._require_optimizer("reload_states")
+        self.optimizer.reload_states(*args, **kwargs)
+
+    def _refuse_if_parked(self, what: str) -> None:
+        if self.optimizer is not None:
+            self.optimizer.parked.require(what)
 
     def empty_partition_cache(self) -> None:
         """Release every gathered stage-3 parameter (no-op for stages 0-2)."""

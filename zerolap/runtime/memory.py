@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from zerolap.moe.parallel import expert_parallel_size
+from zerolap.offload.states import OffloadStateTypeEnum
 from zerolap.profiling.estimate import Precision, bytes_per_param
 from zerolap.zero.status import full_numel
 
@@ -93,22 +94,32 @@ def measure_memory(engine) -> MemoryBreakdown:
     bf16_copy = param_bytes if stage < 3 else 0
     zero_master = bf16_copy if own16 else 4 if (mixed or stage > 0) else 0
 
+    # offload_states: what it parked is in host memory, not where training runs.
+    parked = optimizer.parked.parked_bytes() if optimizer is not None else {}
+    kind = OffloadStateTypeEnum
+
+    def held(nbytes: int, *kinds: OffloadStateTypeEnum) -> int:
+        return max(0, nbytes - sum(parked.get(k, 0) for k in kinds))
+
     return MemoryBreakdown(
         rank=engine.global_rank,
         stage=stage,
         world_size=n,
         numel=numel,
-        params_bytes=store.nbytes() if store is not None else 0,
-        grads_bytes=grads.nbytes() if grads is not None else 0,
-        master_bytes=optimizer.master_bytes() if optimizer is not None else 0,
-        optimizer_state_bytes=optimizer.state_bytes() if optimizer is not None else 0,
-        bucket_buffer_bytes=grads.buffer_bytes() if grads is not None else 0,
+        params_bytes=held(store.nbytes(), kind.lp_params) if store is not None else 0,
+        grads_bytes=held(grads.nbytes(), kind.lp_grads) if grads is not None else 0,
+        master_bytes=held(optimizer.master_bytes(), kind.hp_params) if optimizer else 0,
+        optimizer_state_bytes=held(optimizer.state_bytes(), kind.optim_states) if optimizer else 0,
+        bucket_buffer_bytes=(
+            held(grads.buffer_bytes(), kind.contiguous_grad_buffer) if grads is not None else 0
+        ),
         param_buffer_bytes=store.buffer_bytes() if store is not None else 0,
         swap_buffer_bytes=(optimizer.buffer_bytes() if optimizer is not None else 0)
         + (store.swap_buffer_bytes() if store is not None else 0),
         swapped_bytes=(optimizer.swapped_bytes() if optimizer is not None else 0)
         + (store.swapped_bytes() if store is not None else 0),
-        host_bytes=(optimizer.host_bytes() if optimizer is not None else 0)
+        host_bytes=sum(parked.values())
+        + (optimizer.host_bytes() if optimizer is not None else 0)
         + (store.host_bytes() if store is not None else 0)
         + (grads.host_bytes() if grads is not None else 0),
         expected_bytes=formula(master=4 if mixed and not own16 else 0),

@@ -176,6 +176,10 @@ class FlatParams:
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
 
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The memory the parameters live in (``offload_states``' lp_params)."""
+        return [self.flat]
+
     def buffer_bytes(self) -> int:
         return 0  # nothing beyond the flat buffer itself
 

@@ -146,6 +146,13 @@ class FullGradients:
     def buffer_bytes(self) -> int:
         return 0  # buckets are regions of the flat buffer
 
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The gradients' memory (``offload_states``' lp_grads)."""
+        return [self.flat]
+
+    def buffer_tensors(self) -> list[torch.Tensor]:
+        return []  # buckets are regions of the flat buffer
+
 
 class ShardGradients:
     def __init__(
@@ -328,3 +335,12 @@ class ShardGradients:
     def buffer_bytes(self) -> int:
         itemsize = torch.empty((), dtype=self.comm_dtype).element_size()
         return self._allocated * self._buffer_numel * itemsize
+
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The gradient shard where training runs (``offload_states``' lp_grads)."""
+        return [self.shard]
+
+    def buffer_tensors(self) -> list[torch.Tensor]:
+        """The bucket buffers reductions pass through, all free between steps
+        (``offload_states``' contiguous_grad_buffer)."""
+        return [buffer for buffer, _ in self._free]

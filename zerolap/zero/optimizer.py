@@ -45,7 +45,10 @@ from collections.abc import Callable, Iterator
 import torch
 
 import zerolap.comm as dist
+import zerolap.offload as offload
+from zerolap.offload.states import OffloadDeviceEnum, OffloadStateTypeEnum, ParkedStates
 from zerolap.offload.swap_file import SwapError, set_up_on_every_rank
+from zerolap.utils.logging import logger
 from zerolap.zero.layout import FlatLayout
 from zerolap.zero.step_behind import Stepping, steps_apart, twin_of
 from zerolap.zero.sub_groups import GroupEntries, SubGroup, split_runs
@@ -298,6 +301,8 @@ class ZeroOptimizer:
         self._zero = torch.zeros((), dtype=torch.float64, device=device)
         self.last_norm: float | None = None
         self.last_applied = True
+        self.parked = ParkedStates()  # what offload_states() took off the device
+        self._said_in_host = False  # offload_states on a CPU-only host says so once
         self.overflow = False  # the last step was skipped for fp16 overflow (DeepSpeed's name)
         # Stage 3: the engine's ParamFetcher, under DeepSpeed's name for the object that
         # gathers and releases parameters (clients such as TRL reach it from the optimizer).
@@ -715,6 +720,75 @@ class ZeroOptimizer:
         if self.host_grads is not None:
             held += self.host_grads.nbytes()
         return held
+
+    # -- offload_states / reload_states (``offload.states``) ------------------------------------
+
+    def device_states(self) -> dict[OffloadStateTypeEnum, list[torch.Tensor]]:
+        """The tensors of each kind ``offload_states`` moves that live where training runs."""
+        kind, device = OffloadStateTypeEnum, self.store.device
+        state = [
+            value
+            for tier in self.tiers
+            if isinstance(tier, ResidentRuns) and not tier.on_host
+            for i in tier.indices
+            for value in self.inner.state.get(self.views[i], {}).values()
+            if isinstance(value, torch.Tensor)
+        ]
+        found = {
+            kind.lp_params: self.store.device_tensors(),
+            kind.hp_params: [self.master] if self.master is not None else [],
+            kind.optim_states: state,
+            kind.lp_grads: self.grads.device_tensors(),
+            kind.contiguous_grad_buffer: self.grads.buffer_tensors(),
+        }
+        return {k: [t for t in ts if t.device == device] for k, ts in found.items()}
+
+    def offload_states(
+        self,
+        include=None,
+        device=OffloadDeviceEnum.cpu,
+        pin_memory: bool = True,
+        non_blocking: bool = False,
+    ) -> None:
+        """DeepSpeed's ``offload_states``: the kinds in ``include`` (``OffloadStateTypeEnum``;
+        None: all) go to host memory until ``reload_states``. Gathers still in flight and a
+        step behind are waited first; stage 3's gathered units are released."""
+        device = OffloadDeviceEnum(device)
+        if device == OffloadDeviceEnum.none:
+            logger.warning("offload_states: device 'none' names nowhere to go; nothing moved")
+            return
+        if device == OffloadDeviceEnum.nvme:
+            raise ValueError(
+                "offload_states: device 'nvme' is not supported (as in DeepSpeed); use 'cpu'"
+            )
+        if not offload.apart_from_host(self.store.device):  # looked up: tests switch it
+            if not self._said_in_host:
+                self._said_in_host = True
+                logger.info(
+                    "offload_states: training runs in host memory here (no accelerator), so "
+                    "the states already are where offload_states would move them; nothing moves"
+                )
+            return
+        self.finish_step()
+        self.store.settle()
+        fetcher = getattr(self.store, "fetcher", None)
+        if fetcher is not None:
+            fetcher.release_all()
+        self.parked.park(
+            self.device_states(), include, pin_memory=pin_memory, non_blocking=non_blocking
+        )
+        self._finish_moves(non_blocking)
+
+    def reload_states(self, include=None, non_blocking: bool = False) -> None:
+        """Bring back what ``offload_states`` moved (the kinds in ``include``; None: all)."""
+        self.parked.unpark(include, non_blocking=non_blocking)
+        self._finish_moves(non_blocking)
+
+    def _finish_moves(self, non_blocking: bool) -> None:
+        if self.store.device.type == "cuda":
+            if not non_blocking:
+                torch.cuda.synchronize(self.store.device)
+            torch.cuda.empty_cache()  # the memory goes back to the device, for its next user
 
     def master_bytes(self) -> int:
         """fp32 master values held in memory (none for fp32 parameters)."""

@@ -369,6 +369,12 @@ class ShardedParams:
         self.release_all()
         self.drop_buffers()
 
+    def device_tensors(self) -> list[torch.Tensor]:
+        """The memory the parameters live in (``offload_states``' lp_params): the shard and
+        every unit gathered (the persistent ones, and any a ``GatheredParameters`` holds)."""
+        gathered = [full for full in self.full if full.untyped_storage().nbytes()]
+        return [self.shard, *gathered]
+
     def drop_buffers(self) -> None:
         """Free the pooled memory of released units (the next gathers allocate afresh)."""
         self._pool.clear()

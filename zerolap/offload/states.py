@@ -1,0 +1,147 @@
+"""``offload_states()`` / ``reload_states()``: the engine's model states taken off the accelerator
+between uses and brought back, with DeepSpeed's names (``deepspeed.runtime.zero.offload_config``).
+
+RLHF frameworks (OpenRLHF's ``deepspeed_enable_sleep`` and others) train and generate on the
+same GPUs: before generation they call ``engine.optimizer.offload_states(include=[...],
+device=OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=True)`` to free the trainer's memory
+for the inference engine, and ``engine.reload_states()`` before training again.
+
+How: each state's device memory is copied into host memory and its storage resized to nothing;
+a reload gives the same storage its memory back and copies the bytes in. The storage objects
+stay, so every view of them (parameters viewing the flat buffer, the optimizer's runs, the
+gradient slots) sees the values again with nothing re-linked, and a reload is bit for bit.
+
+The kinds, as DeepSpeed names them:
+
+* ``lp_params``: the parameters' memory (stages 0-2: the flat buffer; stage 3: the shard and
+  the units kept whole; gathered units are released first);
+* ``hp_params``: the fp32 master values (mixed precision);
+* ``optim_states``: the optimizer's state (Adam's moments, its step where it is a tensor);
+* ``lp_grads``: the gradient storage (the flat gradient buffer, or the gradient shard);
+* ``contiguous_grad_buffer``: the buckets reductions pass through (stage 2-3).
+
+What is already in host memory (``offload_optimizer``'s part, ``offload_param``'s shard, every
+state on a CPU-only host) stays where it is. While a kind is parked the engine refuses, by
+name, what needs it: forward needs ``lp_params``; backward also the gradients; ``step()`` and
+checkpoints everything.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["OffloadDeviceEnum", "OffloadStateTypeEnum", "ParkedStates", "StatesParkedError"]
+
+
+class OffloadDeviceEnum(str, enum.Enum):
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class OffloadStateTypeEnum(str, enum.Enum):
+    optim_states = "optim_states"
+    hp_params = "hp_params"
+    lp_params = "lp_params"
+    lp_grads = "lp_grads"
+    contiguous_grad_buffer = "contiguous_grad_buffer"
+
+
+_GRADS = {OffloadStateTypeEnum.lp_grads, OffloadStateTypeEnum.contiguous_grad_buffer}
+NEEDED = {  # what each engine operation reads
+    "forward": {OffloadStateTypeEnum.lp_params},
+    "backward": {OffloadStateTypeEnum.lp_params, *_GRADS},
+    "step": set(OffloadStateTypeEnum),
+    "save_checkpoint": set(OffloadStateTypeEnum),
+    "load_checkpoint": set(OffloadStateTypeEnum),
+}
+
+
+class StatesParkedError(RuntimeError):
+    """An engine operation needs states that ``offload_states()`` took off the device."""
+
+
+def _kinds(include: Iterable | None) -> list[OffloadStateTypeEnum]:
+    if include is None:
+        return list(OffloadStateTypeEnum)
+    kinds = []
+    for kind in include:
+        try:
+            kinds.append(OffloadStateTypeEnum(kind))
+        except ValueError:
+            names = ", ".join(k.value for k in OffloadStateTypeEnum)
+            raise ValueError(
+                f"offload_states: unknown state type {kind!r}; the types are {names}"
+            ) from None
+    return kinds
+
+
+class ParkedStates:
+    """The states ``offload_states()`` parked in host memory, by kind: for each storage, the
+    host copy its bytes went to."""
+
+    def __init__(self) -> None:
+        self._parked: dict[OffloadStateTypeEnum, list[tuple[torch.UntypedStorage, torch.Tensor]]]
+        self._parked = {}
+
+    @property
+    def kinds(self) -> set[OffloadStateTypeEnum]:
+        return set(self._parked)
+
+    def park(
+        self,
+        states: dict[OffloadStateTypeEnum, list[torch.Tensor]],
+        include: Iterable | None,
+        *,
+        pin_memory: bool,
+        non_blocking: bool,
+    ) -> int:
+        """Move the device memory of the kinds in ``include`` (None: all) that are not parked
+        yet to host memory; the bytes moved. A storage several kinds share goes with the
+        first."""
+        moved, seen = 0, set()
+        for kind in _kinds(include):
+            if kind in self._parked:
+                continue
+            parked = []
+            for tensor in states.get(kind, []):
+                storage = tensor.untyped_storage()
+                if storage.nbytes() == 0 or storage.data_ptr() in seen:
+                    continue
+                seen.add(storage.data_ptr())
+                pin = pin_memory and storage.device.type == "cuda"
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=pin)
+                host.untyped_storage().copy_(storage, non_blocking=non_blocking)
+                parked.append((storage, host))
+            # The device memory goes once every copy is queued: the allocator orders its reuse
+            # after them on the stream.
+            for storage, host in parked:
+                storage.resize_(0)
+                moved += host.numel()
+            self._parked[kind] = parked
+        return moved
+
+    def unpark(self, include: Iterable | None, *, non_blocking: bool) -> int:
+        """Bring the parked kinds in ``include`` (None: all) back; the bytes moved."""
+        moved = 0
+        for kind in _kinds(include):
+            for storage, host in self._parked.pop(kind, []):
+                storage.resize_(host.numel())
+                storage.copy_(host.untyped_storage(), non_blocking=non_blocking)
+                moved += host.numel()
+        return moved
+
+    def parked_bytes(self) -> dict[OffloadStateTypeEnum, int]:
+        return {kind: sum(h.numel() for _, h in parked) for kind, parked in self._parked.items()}
+
+    def require(self, what: str) -> None:
+        """Raise if ``what`` (an engine operation in ``NEEDED``) needs a parked kind."""
+        missing = sorted(k.value for k in NEEDED[what] & self.kinds)
+        if missing:
+            raise StatesParkedError(
+                f"engine.{what}() needs {', '.join(missing)}, which offload_states() took off "
+                "the device: call engine.reload_states() first"
+            )
