@@ -216,7 +216,7 @@ def _measure(
         torch.cuda.reset_peak_memory_stats(device)
     step_s, losses = [], []
     counting = count_syncs and cuda
-    profiling = contextlib.ExitStack()
+    profiling, profilers = contextlib.ExitStack(), None
     with profiling, warnings.catch_warnings(record=counting) as caught:
         for step in range(warmup + steps):
             micro_batches = [
@@ -245,7 +245,7 @@ def _measure(
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         device=torch.cuda.get_device_name(device) if cuda else "cpu (no accelerator)",
         syncs_per_step=found / steps if counting else None,
-        profile=_profile_summary(*profilers, sum(step_s), steps) if profile else None,
+        profile=_profile_summary(*profilers, sum(step_s), steps) if profilers else None,
     )
 
 

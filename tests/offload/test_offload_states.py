@@ -6,6 +6,9 @@ is gone from ``memory_breakdown()``, the engine refuses by name what needs it, a
 
 from __future__ import annotations
 
+import dataclasses
+
+import pytest
 import torch
 
 import zerolap
@@ -15,15 +18,16 @@ from tests.offload.test_offload_training import _config, _params, _train, differ
 from tests.pipe import models
 from tests.pipe.test_engine import _config as pipe_config
 from tests.zero.models import global_batch, loss_fn, make_model
-from zerolap.offload.states import StatesParkedError
+from zerolap.offload.states import OffloadStateTypeEnum, ParkedStates, StatesParkedError
 
 BEFORE, AFTER = 2, 2  # steps before the states are parked, and after they are back
 CPU = {"device": "cpu"}
-VARIANTS = [  # (stage, dtype, offload_optimizer, offload_param)
-    *((stage, dtype, None, None) for stage, dtype in [(0, None), (1, "bf16"), (2, None)]),
-    *((stage, dtype, None, None) for stage, dtype in [(2, "bf16"), (3, None), (3, "bf16")]),
-    (2, "bf16", {"device": "cpu", "ratio": 0.5}, None),  # half the state on the host already
-    (3, "bf16", CPU, CPU),  # only the gathered units and the gradients' buckets to park
+VARIANTS = [  # (stage, dtype, offload_optimizer, offload_param, stage 3's persistence)
+    *((stage, dtype, None, None, 0) for stage, dtype in [(0, None), (1, "bf16"), (2, None)]),
+    *((stage, dtype, None, None, 0) for stage, dtype in [(2, "bf16"), (3, None), (3, "bf16")]),
+    (3, "bf16", None, None, 200),  # the norms' units kept whole on every rank, parked too
+    (2, "bf16", {"device": "cpu", "ratio": 0.5}, None, 0),  # half the state on the host already
+    (3, "bf16", CPU, CPU, 0),  # only the gathered units and the gradients' buckets to park
 ]
 
 
@@ -49,14 +53,21 @@ def _forward_backward(engine):
     engine.backward(loss_fn(engine(tokens[:2]).float(), targets[:2]))
 
 
+def _plain_backward(engine):
+    """torch's own ``loss.backward()``, which DeepSpeed clients may call instead."""
+    tokens, targets = (t.to(engine.device) for t in global_batch(0, 4))
+    loss_fn(engine(tokens[:2]).float(), targets[:2]).backward()
+
+
 def check_all_parked() -> list[str]:
     """Every kind parked between steps: nothing of the model state left where training runs,
     all of it counted in host memory; forward, backward, step and a checkpoint refused; after
     the reload the same run as one that never parked."""
     failures = []
-    for stage, dtype, opt, param in VARIANTS:
-        name = f"stage {stage} {dtype or 'fp32'} offload {opt} {param}"
+    for stage, dtype, opt, param, persist in VARIANTS:
+        name = f"stage {stage} {dtype or 'fp32'} offload {opt} {param} persistence {persist}"
         config = _config(stage, dtype=dtype, opt=opt, param=param)
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = persist
         want, want_state = _straight(config)
         with apart():
             engine, optimizer, *_ = zerolap.initialize(model=make_model(), config=config)
@@ -88,7 +99,8 @@ def check_all_parked() -> list[str]:
             failures.append(f"{name}: still held where training runs: {parked}")
         if parked.host_bytes < before.total_bytes:
             failures.append(f"{name}: {parked.host_bytes} bytes parked of {before.total_bytes}")
-        if back != before:
+        # The reductions' buckets were freed, not parked: the next backward allocates them.
+        if back != dataclasses.replace(before, bucket_buffer_bytes=0):
             failures.append(f"{name}: after the reload {back}, before {before}")
         if "engine.forward() needs lp_params" not in refusals[0]:
             failures.append(f"{name}: forward: {refusals[0]}")
@@ -123,29 +135,42 @@ def check_as_openrlhf_parks() -> list[str]:
         with apart():
             engine, optimizer, *_ = zerolap.initialize(model=make_model(), config=config)
             _train(engine, range(BEFORE))
-            engine.empty_partition_cache()
             before = engine.memory_breakdown()
             engine.optimizer.offload_states(
                 include=kinds, device=OffloadDeviceEnum.cpu, pin_memory=True, non_blocking=True
             )
+            engine.optimizer.offload_states(include=kinds)  # again: nothing more to move
             parked = engine.memory_breakdown()
+            store = engine.param_store
+            gathered = [  # stage 3: offload_states released the units gathered for the next step
+                unit
+                for unit, status in enumerate(getattr(store, "status", []))
+                if not store.persistent[unit] and status.name != "SHARDED"
+            ]
             with torch.no_grad():
                 generated = engine(global_batch(0, 4)[0][:2].to(engine.device))
             backward = _refusal(lambda e=engine: _forward_backward(e))
-            engine.reload_states()
+            plain = _refusal(lambda e=engine: _plain_backward(e))
+            engine.reload_states(True, include=[OffloadStateTypeEnum.optim_states])
+            step = _refusal(engine.step)
+            engine.reload_states(False)
             _train(engine, range(BEFORE, BEFORE + AFTER))
             got, got_state = _params(engine), optimizer.state_dict()["inner"]["state"]
             engine.destroy()
         name = f"stage {stage}"
         failures += differences(name, (got, got_state), (want, want_state))
-        if parked.params_bytes != before.params_bytes:
-            failures.append(f"{name}: parameters moved: {parked} of {before}")
+        if parked.params_bytes > before.params_bytes or gathered:
+            failures.append(f"{name}: parameters moved, or units {gathered} still gathered")
         if parked.master_bytes or parked.optimizer_state_bytes or parked.grads_bytes:
             failures.append(f"{name}: left where training runs: {parked}")
         if not torch.isfinite(generated).all():
             failures.append(f"{name}: forward under no_grad gave {generated}")
-        if "engine.backward() needs contiguous_grad_buffer, lp_grads" not in backward:
+        if not backward.startswith("engine.backward() needs lp_grads, which offload_states()"):
             failures.append(f"{name}: backward: {backward}")
+        if not plain.startswith("engine.backward() needs lp_grads"):
+            failures.append(f"{name}: loss.backward(): {plain}")
+        if not step.startswith("engine.step() needs contiguous_grad_buffer, hp_params, lp_grads"):
+            failures.append(f"{name}: step after reloading optim_states only: {step}")
     return failures
 
 
@@ -261,3 +286,77 @@ def test_a_pipeline_parks_between_batches(ranks):
         assert all(torch.equal(parked["params"][n], v) for n, v in straight["params"].items())
         step, forward = parked["refused"]
         assert "engine.step() needs" in step and "engine.forward() needs lp_params" in forward
+
+
+def check_other_entries() -> dict:
+    """With the parameters parked, the model's own entries are refused by name (generation
+    calls its forward directly; a checkpoint reads its state_dict; stage 3 gathers), so are
+    DeepSpeed's safe_get helpers; parking inside GatheredParameters is refused; destroy()
+    brings the states back and hands the model over whole."""
+    out = {}
+    for stage in (2, 3):
+        with apart():
+            model = make_model()
+            engine, *_ = zerolap.initialize(model=model, config=_config(stage, dtype="bf16"))
+            _train(engine, range(1))
+            params = list(model.parameters())
+            with zerolap.zero.GatheredParameters(params):
+                values = [p.detach().float().clone() for p in params]
+                # Stage 3 holds the units gathered for the block (below it holds nothing).
+                inside = _refusal(engine.offload_states) if stage == 3 else None
+            engine.offload_states()
+            tokens = global_batch(0, 4)[0][:2]
+            refused = {
+                "module": _refusal(lambda m=model, t=tokens: m(t)),
+                "state_dict": _refusal(model.state_dict),
+                "safe_get": _refusal(lambda p=params[0]: zerolap.utils.safe_get_full_fp32_param(p)),
+            }
+            if stage == 3:
+                refused["gathered"] = _refusal(
+                    lambda p=params: zerolap.zero.GatheredParameters(p).__enter__()
+                )
+            engine.destroy()  # parked: brought back first
+            whole = [p.detach().float() for p in model.parameters()]
+        out[stage] = {
+            "inside": inside,
+            "refused": refused,
+            "whole": all(torch.equal(a, b) for a, b in zip(whole, values, strict=True)),
+        }
+    return out
+
+
+def test_the_models_own_entries_are_refused_while_parked(ranks):
+    for result in ranks(2).run(check_other_entries, timeout=120):
+        for stage, found in result.items():
+            if stage == 3:
+                assert found["inside"].startswith("offload_states() inside GatheredParameters")
+            assert found["whole"], stage
+            refused = found["refused"]
+            assert refused["module"].startswith("the model's forward needs lp_params"), stage
+            assert refused["state_dict"].startswith("the model's state_dict() needs lp_params")
+            assert refused["safe_get"].startswith("safe_get_full_fp32_param() needs "), stage
+            if stage == 3:
+                assert refused["gathered"].startswith("GatheredParameters needs lp_params")
+
+
+class _NoMemory:
+    """A storage that cannot get its memory back (the GPU full of the inference engine)."""
+
+    def resize_(self, nbytes: int) -> None:
+        raise torch.OutOfMemoryError("no memory for the reload")
+
+
+def test_a_reload_that_runs_out_of_memory_leaves_the_rest_parked():
+    kind = OffloadStateTypeEnum.lp_params
+    first, second = torch.arange(6.0), torch.arange(4.0)
+    parked = ParkedStates()
+    parked.park({kind: [first, second]}, [kind], pin_memory=False, non_blocking=False)
+    assert first.untyped_storage().nbytes() == second.untyped_storage().nbytes() == 0
+    host = parked._parked[kind][1][1]
+    parked._parked[kind][1] = (_NoMemory(), host)
+    with pytest.raises(torch.OutOfMemoryError):
+        parked.unpark(None, non_blocking=False)
+    assert torch.equal(first, torch.arange(6.0))  # restored before the failure
+    assert parked.kinds == {kind} and parked.parked_bytes() == {kind: 16}
+    with pytest.raises(StatesParkedError, match=r"engine.step\(\) needs lp_params"):
+        parked.require("engine.step()")

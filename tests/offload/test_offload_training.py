@@ -91,14 +91,16 @@ def differences(name: str, got, want, rtol: float = 0.0, state_rtol=None) -> lis
     another device's kernels); ``state_rtol`` gives some state fields their own."""
 
     def gap(a, b) -> float | None:
-        """None when equal within ``tolerance``, else the difference as a share of ``b``."""
+        """None when bit for bit equal, else the largest difference as a share of ``b``'s
+        largest magnitude (infinite for another shape or dtype, or a NaN on either side)."""
         a, b = torch.as_tensor(a).cpu(), torch.as_tensor(b).cpu()
-        if a.shape != b.shape:
+        if a.shape != b.shape or a.dtype != b.dtype:
             return math.inf
         if torch.equal(a, b) or a.numel() == 0:
             return None
         a, b = a.double(), b.double()
-        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+        share = float((a - b).abs().max() / b.abs().max().clamp_min(1e-300))
+        return share if math.isfinite(share) else math.inf
 
     out = []
     if any((gap(g, w) or 0.0) > rtol for g, w in zip(got[0], want[0], strict=True)):
@@ -476,3 +478,15 @@ def test_offload_param_with_everything_live_is_said(ranks, tmp_path):
     notes = ranks(1).run(offload_param_notes, str(tmp_path), None)[0]
     assert len(notes) == 1 and "covers the whole model" in notes[0], notes
     assert ranks(1).run(offload_param_notes, str(tmp_path), 100)[0] == []
+
+
+def test_differences_fail_on_a_nan_or_another_dtype():
+    ones = torch.ones(3)
+    want = ([ones], {0: {"exp_avg": ones}})
+    nan = torch.tensor([1.0, float("nan"), 1.0])
+    for rtol in (0.0, 1e-5):
+        assert differences("nan", ([nan], want[1]), want, rtol)
+        assert differences("nan", (want[0], {0: {"exp_avg": nan}}), want, rtol)
+        assert differences("dtype", ([ones.bfloat16()], want[1]), want, rtol)
+        assert differences("same", want, want, rtol) == []
+    assert differences("close", ([ones + 1e-6], want[1]), want, 1e-5) == []

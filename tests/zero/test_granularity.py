@@ -198,3 +198,16 @@ def test_blocks_gathered_whole_train_to_the_same_parameters(ranks):
             ]
         else:
             assert blocks["logs"] == none["logs"] == []
+
+
+class Mlp(torch.nn.Sequential):
+    """A subclass of a container: code of its own, so a module (DeepSpeed tells containers by
+    their class name)."""
+
+
+def test_a_container_subclass_counts_as_a_module():
+    block = Block()
+    block.mlp = Mlp(*block.mlp)
+    sizes = granularities(block)
+    assert sizes[block.mlp] == (288 + 264) // 3  # its two Linears and itself
+    assert sizes[block] == 712 // 8

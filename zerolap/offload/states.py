@@ -18,12 +18,15 @@ The kinds, as DeepSpeed names them:
 * ``hp_params``: the fp32 master values (mixed precision);
 * ``optim_states``: the optimizer's state (Adam's moments, its step where it is a tensor);
 * ``lp_grads``: the gradient storage (the flat gradient buffer, or the gradient shard);
-* ``contiguous_grad_buffer``: the buckets reductions pass through (stage 2-3).
+* ``contiguous_grad_buffer``: the buckets reductions pass through (stages 2-3): scratch between
+  steps, so freed rather than copied, and allocated again by the next backward.
 
 What is already in host memory (``offload_optimizer``'s part, ``offload_param``'s shard, every
 state on a CPU-only host) stays where it is. While a kind is parked the engine refuses, by
 name, what needs it: forward needs ``lp_params``; backward also the gradients; ``step()`` and
-checkpoints everything.
+checkpoints everything. With ``lp_params`` parked ``ParkedGuard`` refuses the model's own
+entries too: its forward called directly (generation), its ``state_dict()``, stage 3's
+``GatheredParameters``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,14 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["OffloadDeviceEnum", "OffloadStateTypeEnum", "ParkedStates", "StatesParkedError"]
+__all__ = [
+    "OffloadDeviceEnum",
+    "OffloadStateTypeEnum",
+    "ParkedGuard",
+    "ParkedStates",
+    "StatesParkedError",
+    "state_kinds",
+]
 
 
 class OffloadDeviceEnum(str, enum.Enum):
@@ -50,10 +60,9 @@ class OffloadStateTypeEnum(str, enum.Enum):
     contiguous_grad_buffer = "contiguous_grad_buffer"
 
 
-_GRADS = {OffloadStateTypeEnum.lp_grads, OffloadStateTypeEnum.contiguous_grad_buffer}
 NEEDED = {  # what each engine operation reads
     "forward": {OffloadStateTypeEnum.lp_params},
-    "backward": {OffloadStateTypeEnum.lp_params, *_GRADS},
+    "backward": {OffloadStateTypeEnum.lp_params, OffloadStateTypeEnum.lp_grads},
     "step": set(OffloadStateTypeEnum),
     "save_checkpoint": set(OffloadStateTypeEnum),
     "load_checkpoint": set(OffloadStateTypeEnum),
@@ -64,7 +73,8 @@ class StatesParkedError(RuntimeError):
     """An engine operation needs states that ``offload_states()`` took off the device."""
 
 
-def _kinds(include: Iterable | None) -> list[OffloadStateTypeEnum]:
+def state_kinds(include: Iterable | None) -> list[OffloadStateTypeEnum]:
+    """The kinds ``include`` names (None: all), each checked."""
     if include is None:
         return list(OffloadStateTypeEnum)
     kinds = []
@@ -86,6 +96,13 @@ class ParkedStates:
     def __init__(self) -> None:
         self._parked: dict[OffloadStateTypeEnum, list[tuple[torch.UntypedStorage, torch.Tensor]]]
         self._parked = {}
+        # Told the parked kinds after each change (the engine guards the model's own entries:
+        # its forward, its state_dict, stage 3's gathers).
+        self.listeners: list = []
+
+    def _tell(self) -> None:
+        for listener in self.listeners:
+            listener(self.kinds)
 
     @property
     def kinds(self) -> set[OffloadStateTypeEnum]:
@@ -103,7 +120,7 @@ class ParkedStates:
         yet to host memory; the bytes moved. A storage several kinds share goes with the
         first."""
         moved, seen = 0, set()
-        for kind in _kinds(include):
+        for kind in state_kinds(include):
             if kind in self._parked:
                 continue
             parked = []
@@ -122,26 +139,71 @@ class ParkedStates:
                 storage.resize_(0)
                 moved += host.numel()
             self._parked[kind] = parked
+        self._tell()
         return moved
 
     def unpark(self, include: Iterable | None, *, non_blocking: bool) -> int:
         """Bring the parked kinds in ``include`` (None: all) back; the bytes moved."""
         moved = 0
-        for kind in _kinds(include):
-            for storage, host in self._parked.pop(kind, []):
+        for kind in state_kinds(include):
+            parked = self._parked.get(kind, [])
+            while parked:  # each one forgotten only once restored: a reload that runs out of
+                storage, host = parked[0]  # memory leaves the rest parked, and guarded
                 storage.resize_(host.numel())
                 storage.copy_(host.untyped_storage(), non_blocking=non_blocking)
                 moved += host.numel()
+                parked.pop(0)
+            self._parked.pop(kind, None)
+        self._tell()
         return moved
 
     def parked_bytes(self) -> dict[OffloadStateTypeEnum, int]:
         return {kind: sum(h.numel() for _, h in parked) for kind, parked in self._parked.items()}
 
-    def require(self, what: str) -> None:
-        """Raise if ``what`` (an engine operation in ``NEEDED``) needs a parked kind."""
-        missing = sorted(k.value for k in NEEDED[what] & self.kinds)
+    def require(self, what: str, needs: Iterable | None = None) -> None:
+        """Raise if ``what`` needs a parked kind: ``needs`` (None: every kind)."""
+        missing = sorted(k.value for k in set(needs or OffloadStateTypeEnum) & self.kinds)
         if missing:
             raise StatesParkedError(
-                f"engine.{what}() needs {', '.join(missing)}, which offload_states() took off "
-                "the device: call engine.reload_states() first"
+                f"{what} needs {', '.join(missing)}, which offload_states() took off the "
+                "device: call engine.reload_states() first"
             )
+
+
+class ParkedGuard:
+    """While ``lp_params`` is parked, what reaches the parameters' memory without the engine
+    is refused by name instead of failing deep in torch (or, on a GPU, reading freed memory):
+    the model's forward (generation calls it directly), its ``state_dict()``, and stage 3's
+    ``GatheredParameters`` (a store with ``refusal``). Holds the model and the store, never
+    the engine."""
+
+    def __init__(self, parked: ParkedStates, module: torch.nn.Module, store) -> None:
+        self.parked, self.module, self.store = parked, module, store
+        self.handles: list = []
+        parked.listeners.append(self.update)
+
+    def _refuse(self, what: str) -> None:
+        self.parked.require(what, {OffloadStateTypeEnum.lp_params})
+
+    def update(self, kinds: set[OffloadStateTypeEnum]) -> None:
+        parked = OffloadStateTypeEnum.lp_params in kinds
+        if parked and not self.handles:
+            self.handles = [
+                self.module.register_forward_pre_hook(
+                    lambda module, args: self._refuse("the model's forward")
+                ),
+                self.module.register_state_dict_pre_hook(
+                    lambda module, prefix, keep_vars: self._refuse("the model's state_dict()")
+                ),
+            ]
+            if hasattr(self.store, "refusal"):
+                self.store.refusal = lambda: self._refuse("GatheredParameters")
+        elif not parked:
+            self.remove()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+        if hasattr(self.store, "refusal"):
+            self.store.refusal = None

@@ -34,6 +34,7 @@ from zerolap.moe.parallel import (
     set_up_expert_parallelism,
 )
 from zerolap.offload import plan_offload
+from zerolap.offload.states import NEEDED, ParkedGuard
 from zerolap.runtime import python_gc
 from zerolap.runtime.buffer_dtypes import fp32_buffers
 from zerolap.runtime.flops_profiling import StepFlopsProfile
@@ -297,6 +298,10 @@ class ZerolapEngine(torch.nn.Module):
             self.param_store,
             self._forward_waits,
         )
+        if self.optimizer is not None:  # the model's own entries refused while it is parked
+            self._attachments.hooks.append(
+                ParkedGuard(self.optimizer.parked, module, self.param_store)
+            )
         self._release_on_drop = weakref.finalize(self, self._attachments.release, gather=False)
         self._release_on_drop.atexit = False  # at exit the model goes too: nothing to give back
         self.tput_timer = ThroughputTimer(
@@ -775,6 +780,7 @@ class ZerolapEngine(torch.nn.Module):
         if self._backward_kind == "engine":  # the loss was scaled already
             return 1.0
         if self._backward_kind is None:
+            self._refuse_if_parked("backward")
             self._open_backward("torch")
             self._torch_backward_start = time.perf_counter()
             torch.autograd.Variable._execution_engine.queue_callback(self._close_torch_backward)
@@ -1350,14 +1356,14 @@ class ZerolapEngine(torch.nn.Module):
         self.optimizer.offload_states(*args, **kwargs)
 
     def reload_states(self, *args, **kwargs) -> None:
-        """``reload_states(include=None, non_blocking=False)``: what ``offload_states`` moved
+        """``reload_states(non_blocking=False, include=None)``: what ``offload_states`` moved
         comes back."""
         self._require_optimizer("reload_states")
         self.optimizer.reload_states(*args, **kwargs)
 
     def _refuse_if_parked(self, what: str) -> None:
         if self.optimizer is not None:
-            self.optimizer.parked.require(what)
+            self.optimizer.parked.require(f"engine.{what}()", NEEDED[what])
 
     def empty_partition_cache(self) -> None:
         """Release every gathered stage-3 parameter (no-op for stages 0-2)."""

@@ -110,9 +110,7 @@ def measure_memory(engine) -> MemoryBreakdown:
         grads_bytes=held(grads.nbytes(), kind.lp_grads) if grads is not None else 0,
         master_bytes=held(optimizer.master_bytes(), kind.hp_params) if optimizer else 0,
         optimizer_state_bytes=held(optimizer.state_bytes(), kind.optim_states) if optimizer else 0,
-        bucket_buffer_bytes=(
-            held(grads.buffer_bytes(), kind.contiguous_grad_buffer) if grads is not None else 0
-        ),
+        bucket_buffer_bytes=grads.buffer_bytes() if grads is not None else 0,
         param_buffer_bytes=store.buffer_bytes() if store is not None else 0,
         swap_buffer_bytes=(optimizer.buffer_bytes() if optimizer is not None else 0)
         + (store.swap_buffer_bytes() if store is not None else 0),

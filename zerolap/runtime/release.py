@@ -47,6 +47,9 @@ class Attachments:
         """Take every hook and reference off the model and free the engine's buffers.
         ``gather``: stage-3 parameters are made whole (a collective: ``destroy()``); without
         it they stay sharded, owned by their store (a finalizer)."""
+        if self.optimizer is not None and self.optimizer.parked.kinds:
+            # What offload_states() parked is the model's: back before it is handed over.
+            self.optimizer.reload_states()
         if self.param_access is not None:
             self.param_access.detach(self.params)
         if self.optimizer is not None:

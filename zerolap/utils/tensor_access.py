@@ -24,6 +24,8 @@ def _access(param: torch.Tensor, what: str):
             f"safe_{what}: this parameter is not trained by a zerolap engine (frozen, outside "
             "the optimizer, or the engine was destroyed)"
         )
+    if access is not None:  # the shards it reads may be parked by offload_states()
+        access.optimizer.parked.require(f"safe_{what}()")
     return access
 
 

@@ -176,6 +176,9 @@ class FlatParams:
     def nbytes(self) -> int:
         return self.flat.numel() * self.flat.element_size()
 
+    def pinned(self) -> bool:
+        return False  # GatheredParameters has nothing to hold below stage 3
+
     def device_tensors(self) -> list[torch.Tensor]:
         """The memory the parameters live in (``offload_states``' lp_params)."""
         return [self.flat]

@@ -150,8 +150,8 @@ class FullGradients:
         """The gradients' memory (``offload_states``' lp_grads)."""
         return [self.flat]
 
-    def buffer_tensors(self) -> list[torch.Tensor]:
-        return []  # buckets are regions of the flat buffer
+    def drop_buffers(self) -> None:
+        """Nothing to drop: buckets are regions of the flat buffer."""
 
 
 class ShardGradients:
@@ -340,7 +340,10 @@ class ShardGradients:
         """The gradient shard where training runs (``offload_states``' lp_grads)."""
         return [self.shard]
 
-    def buffer_tensors(self) -> list[torch.Tensor]:
-        """The bucket buffers reductions pass through, all free between steps
-        (``offload_states``' contiguous_grad_buffer)."""
-        return [buffer for buffer, _ in self._free]
+    def drop_buffers(self) -> None:
+        """Free the bucket buffers reductions pass through (``offload_states``'
+        contiguous_grad_buffer): between steps none is in use, and the next reductions
+        allocate them again."""
+        if len(self._free) == self._allocated:
+            self._free.clear()
+            self._allocated = 0

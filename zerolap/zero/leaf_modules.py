@@ -143,13 +143,9 @@ def apply_leaf_config(model: torch.nn.Module, section) -> list[torch.nn.Module]:
 
 
 # Containers only hold modules and may never run themselves: their children keep their hooks.
-_CONTAINERS = (
-    torch.nn.Sequential,
-    torch.nn.ModuleList,
-    torch.nn.ModuleDict,
-    torch.nn.ParameterList,
-    torch.nn.ParameterDict,
-)
+# Told by class name, as DeepSpeed tells them: a subclass (torchvision's MLP is a Sequential)
+# runs code of its own and counts as a module.
+_CONTAINERS = frozenset(torch.nn.modules.container.__all__)
 # A leaf is gathered whole while it runs: a subtree larger than this never becomes one, however
 # fine its modules (DeepSpeed's bound, so both group the same modules).
 MAX_LEAF_NUMEL = 1_000_000_000
@@ -158,9 +154,10 @@ MAX_LEAF_NUMEL = 1_000_000_000
 def granularities(model: torch.nn.Module) -> dict[torch.nn.Module, int]:
     """DeepSpeed's *granularity* of each module that may become a leaf: its subtree's parameter
     elements (full sizes, also when sharded) floor-divided by the modules counted in it, itself
-    included. Modules without children count one; containers count their children but not
-    themselves and are never leaves; modules holding no parameter count nothing. Modules
-    without children, containers and subtrees over ``MAX_LEAF_NUMEL`` elements are left out."""
+    included. Modules without children count one; containers (torch's own classes, by name)
+    count their children but not themselves and are never leaves; modules holding no
+    parameter count nothing. Modules without children, containers and subtrees over
+    ``MAX_LEAF_NUMEL`` elements are left out."""
     found: dict[torch.nn.Module, int] = {}
 
     def visit(module: torch.nn.Module) -> tuple[int, int]:
@@ -175,7 +172,7 @@ def granularities(model: torch.nn.Module) -> dict[torch.nn.Module, int]:
             child_count, child_numel = visit(child)
             count += child_count
             numel += child_numel
-        if isinstance(module, _CONTAINERS):
+        if type(module).__name__ in _CONTAINERS:
             return count, numel
         count += 1
         if numel <= MAX_LEAF_NUMEL:

@@ -46,7 +46,13 @@ import torch
 
 import zerolap.comm as dist
 import zerolap.offload as offload
-from zerolap.offload.states import OffloadDeviceEnum, OffloadStateTypeEnum, ParkedStates
+from zerolap.offload.states import (
+    OffloadDeviceEnum,
+    OffloadStateTypeEnum,
+    ParkedStates,
+    StatesParkedError,
+    state_kinds,
+)
 from zerolap.offload.swap_file import SwapError, set_up_on_every_rank
 from zerolap.utils.logging import logger
 from zerolap.zero.layout import FlatLayout
@@ -739,7 +745,6 @@ class ZeroOptimizer:
             kind.hp_params: [self.master] if self.master is not None else [],
             kind.optim_states: state,
             kind.lp_grads: self.grads.device_tensors(),
-            kind.contiguous_grad_buffer: self.grads.buffer_tensors(),
         }
         return {k: [t for t in ts if t.device == device] for k, ts in found.items()}
 
@@ -754,6 +759,7 @@ class ZeroOptimizer:
         None: all) go to host memory until ``reload_states``. Gathers still in flight and a
         step behind are waited first; stage 3's gathered units are released."""
         device = OffloadDeviceEnum(device)
+        kinds = state_kinds(include)  # every name checked before anything moves
         if device == OffloadDeviceEnum.none:
             logger.warning("offload_states: device 'none' names nowhere to go; nothing moved")
             return
@@ -771,16 +777,25 @@ class ZeroOptimizer:
             return
         self.finish_step()
         self.store.settle()
+        if self.store.pinned():
+            raise StatesParkedError(
+                "offload_states() inside GatheredParameters: the parameters it holds gathered "
+                "would be parked under it; call it after the block"
+            )
         fetcher = getattr(self.store, "fetcher", None)
         if fetcher is not None:
             fetcher.release_all()
+        if OffloadStateTypeEnum.contiguous_grad_buffer in kinds:
+            # Scratch between steps: freed, not copied; the next reductions allocate afresh.
+            self.grads.drop_buffers()
         self.parked.park(
-            self.device_states(), include, pin_memory=pin_memory, non_blocking=non_blocking
+            self.device_states(), kinds, pin_memory=pin_memory, non_blocking=non_blocking
         )
         self._finish_moves(non_blocking)
 
-    def reload_states(self, include=None, non_blocking: bool = False) -> None:
-        """Bring back what ``offload_states`` moved (the kinds in ``include``; None: all)."""
+    def reload_states(self, non_blocking: bool = False, include=None) -> None:
+        """Bring back what ``offload_states`` moved (the kinds in ``include``; None: all).
+        DeepSpeed's signature, ``include`` added after it (clients pass it by name)."""
         self.parked.unpark(include, non_blocking=non_blocking)
         self._finish_moves(non_blocking)
 

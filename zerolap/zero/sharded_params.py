@@ -148,6 +148,9 @@ class ShardedParams:
         self.after_write_back: list[Callable[[], None]] = []  # e.g. reload the fp32 master
         self._standing: set[int] = set()  # slots showing their full shape (``stand_in``)
         self.fetcher = None  # the ParamFetcher that gathers these units, once one is built
+        # Called before GatheredParameters gathers: set while offload_states() has parked the
+        # shard (``offload.states.ParkedGuard``), to refuse by name.
+        self.refusal = None
         for bucket in layout.buckets:
             self._adopt(bucket.index, src_rank)
 
@@ -369,6 +372,10 @@ class ShardedParams:
         self.release_all()
         self.drop_buffers()
 
+    def pinned(self) -> bool:
+        """Whether a ``GatheredParameters`` holds some unit gathered."""
+        return any(self.pins)
+
     def device_tensors(self) -> list[torch.Tensor]:
         """The memory the parameters live in (``offload_states``' lp_params): the shard and
         every unit gathered (the persistent ones, and any a ``GatheredParameters`` holds)."""
@@ -391,6 +398,8 @@ class ShardedParams:
 
     def hold(self, params: list[torch.nn.Parameter]) -> list[int]:
         """Gather the units of ``params`` and keep them until ``unhold``."""
+        if self.refusal is not None:
+            self.refusal()
         units = sorted({self.unit_of[id(p)] for p in params})
         for unit in units:
             self.launch(unit)
