@@ -7,6 +7,7 @@ is gone from ``memory_breakdown()``, the engine refuses by name what needs it, a
 from __future__ import annotations
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -18,7 +19,12 @@ from tests.offload.test_offload_training import _config, _params, _train, differ
 from tests.pipe import models
 from tests.pipe.test_engine import _config as pipe_config
 from tests.zero.models import global_batch, loss_fn, make_model
-from zerolap.offload.states import OffloadStateTypeEnum, ParkedStates, StatesParkedError
+from zerolap.offload.states import (
+    OffloadStateTypeEnum,
+    ParkedGuard,
+    ParkedStates,
+    StatesParkedError,
+)
 
 BEFORE, AFTER = 2, 2  # steps before the states are parked, and after they are back
 CPU = {"device": "cpu"}
@@ -308,19 +314,25 @@ def check_other_entries() -> dict:
             tokens = global_batch(0, 4)[0][:2]
             refused = {
                 "module": _refusal(lambda m=model, t=tokens: m(t)),
+                "submodule": _refusal(lambda m=model, t=tokens: m.embed(t)),
                 "state_dict": _refusal(model.state_dict),
+                "load_state_dict": _refusal(lambda m=model: m.hidden.load_state_dict({})),
                 "safe_get": _refusal(lambda p=params[0]: zerolap.utils.safe_get_full_fp32_param(p)),
             }
             if stage == 3:
                 refused["gathered"] = _refusal(
                     lambda p=params: zerolap.zero.GatheredParameters(p).__enter__()
                 )
-            engine.destroy()  # parked: brought back first
+            optimizer = engine.optimizer
+            engine.destroy()  # parked: the parameters brought back first
             whole = [p.detach().float() for p in model.parameters()]
+            model(tokens)  # handed over: no hook of the engine's left
+            listeners = len(optimizer.parked.listeners)
         out[stage] = {
             "inside": inside,
             "refused": refused,
             "whole": all(torch.equal(a, b) for a, b in zip(whole, values, strict=True)),
+            "listeners": listeners,
         }
     return out
 
@@ -330,9 +342,11 @@ def test_the_models_own_entries_are_refused_while_parked(ranks):
         for stage, found in result.items():
             if stage == 3:
                 assert found["inside"].startswith("offload_states() inside GatheredParameters")
-            assert found["whole"], stage
+            assert found["whole"] and found["listeners"] == 0, stage
             refused = found["refused"]
             assert refused["module"].startswith("the model's forward needs lp_params"), stage
+            assert refused["submodule"].startswith("'embed''s forward needs lp_params"), stage
+            assert refused["load_state_dict"].startswith("'hidden''s load_state_dict() needs")
             assert refused["state_dict"].startswith("the model's state_dict() needs lp_params")
             assert refused["safe_get"].startswith("safe_get_full_fp32_param() needs "), stage
             if stage == 3:
@@ -360,3 +374,92 @@ def test_a_reload_that_runs_out_of_memory_leaves_the_rest_parked():
     assert parked.kinds == {kind} and parked.parked_bytes() == {kind: 16}
     with pytest.raises(StatesParkedError, match=r"engine.step\(\) needs lp_params"):
         parked.require("engine.step()")
+
+
+class _RootOwned(torch.nn.Module):
+    """A parameter of the model itself (a ViT's position embedding) and one of a child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.offset = torch.nn.Parameter(torch.randn(8))
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x + self.offset)
+
+
+def check_engine_let_go() -> dict:
+    """Stage 3 with a parameter of the model itself: the refusal comes before the gather. An
+    engine dropped while parked, whose reload fails (no device memory), still takes its hooks
+    off: the model is handed over, its values left empty and a warning says so."""
+    torch.manual_seed(0)
+    model = _RootOwned()
+    config = _config(3)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    with apart():
+        engine, optimizer, *_ = zerolap.initialize(model=model, config=config)
+        engine.backward(model(torch.randn(2, 8)).square().mean())
+        engine.step()
+        engine.offload_states()
+        first = _refusal(lambda: model(torch.randn(2, 8)))
+        parked = optimizer.parked
+
+        def no_memory(*args, **kwargs):
+            raise torch.OutOfMemoryError("no memory for the reload")
+
+        parked.unpark = no_memory
+        destroy = "not raised"
+        try:
+            engine.destroy()  # nothing let go: it may be called again once memory is free
+        except torch.OutOfMemoryError as error:
+            destroy = str(error)
+        still = sorted(parked.kinds)
+        with captured_logs() as logs:
+            del engine, optimizer
+            gc.collect()  # the finalizer lets go of the model all the same
+    return {
+        "first": first,
+        "destroy": destroy,
+        "still": still,
+        "logs": [line for line in logs if "could not be brought back" in line],
+        "parked": sorted(parked.kinds),
+        "hooks": sum(len(m._forward_pre_hooks) for m in model.modules()),
+    }
+
+
+def test_a_stage3_root_parameter_and_an_engine_let_go_while_parked(ranks):
+    for result in ranks(2).run(check_engine_let_go, timeout=60):
+        assert result["first"].startswith("the model's forward needs lp_params"), result
+        assert result["destroy"] == "no memory for the reload"
+        assert "lp_params" in result["still"]
+        assert len(result["logs"]) == 1 and "no memory for the reload" in result["logs"][0]
+        assert result["parked"] == [] and result["hooks"] == 0
+
+
+def test_a_park_that_fails_part_way_guards_what_it_parked(monkeypatch):
+    module = torch.nn.Linear(4, 4)
+    parked = ParkedStates()
+    guard = ParkedGuard(parked, module, store=None)
+    real, calls = torch.empty, []
+
+    def second_fails(*args, **kwargs):
+        calls.append(args)
+        if len(calls) == 3:  # the weight and the bias parked, then no host memory
+            raise RuntimeError("no pinned memory left")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", second_fails)
+    states = {
+        OffloadStateTypeEnum.lp_params: [module.weight, module.bias],
+        OffloadStateTypeEnum.hp_params: [torch.zeros(4)],
+    }
+    with pytest.raises(RuntimeError, match="no pinned memory left"):
+        parked.park(states, list(states), pin_memory=False, non_blocking=False)
+    monkeypatch.undo()
+    assert parked.kinds == {OffloadStateTypeEnum.lp_params}
+    with pytest.raises(StatesParkedError, match="the model's forward needs lp_params"):
+        module(torch.ones(4))
+    parked.unpark(None, non_blocking=False)
+    module(torch.ones(4))  # back, and the guard off
+    guard.remove()
+    assert parked.listeners == []

@@ -119,6 +119,12 @@ class ParkedStates:
         """Move the device memory of the kinds in ``include`` (None: all) that are not parked
         yet to host memory; the bytes moved. A storage several kinds share goes with the
         first."""
+        try:
+            return self._park(states, include, pin_memory, non_blocking)
+        finally:  # a kind parked before a failure (no host memory left) is guarded all the same
+            self._tell()
+
+    def _park(self, states, include, pin_memory: bool, non_blocking: bool) -> int:
         moved, seen = 0, set()
         for kind in state_kinds(include):
             if kind in self._parked:
@@ -139,7 +145,6 @@ class ParkedStates:
                 storage.resize_(0)
                 moved += host.numel()
             self._parked[kind] = parked
-        self._tell()
         return moved
 
     def unpark(self, include: Iterable | None, *, non_blocking: bool) -> int:
@@ -157,6 +162,11 @@ class ParkedStates:
         self._tell()
         return moved
 
+    def forget(self) -> None:
+        """Drop every host copy: the engine that owned them is gone."""
+        self._parked.clear()
+        self._tell()
+
     def parked_bytes(self) -> dict[OffloadStateTypeEnum, int]:
         return {kind: sum(h.numel() for _, h in parked) for kind, parked in self._parked.items()}
 
@@ -173,9 +183,10 @@ class ParkedStates:
 class ParkedGuard:
     """While ``lp_params`` is parked, what reaches the parameters' memory without the engine
     is refused by name instead of failing deep in torch (or, on a GPU, reading freed memory):
-    the model's forward (generation calls it directly), its ``state_dict()``, and stage 3's
-    ``GatheredParameters`` (a store with ``refusal``). Holds the model and the store, never
-    the engine."""
+    the forward of the model or of any module in it (generation calls them directly; a PEFT
+    model calls its base model's), ``state_dict()`` and ``load_state_dict()`` on any of them,
+    and stage 3's ``GatheredParameters`` (a store with ``refusal``). The forward hooks go
+    first, before stage 3's gathers. Holds the model and the store, never the engine."""
 
     def __init__(self, parked: ParkedStates, module: torch.nn.Module, store) -> None:
         self.parked, self.module, self.store = parked, module, store
@@ -188,22 +199,34 @@ class ParkedGuard:
     def update(self, kinds: set[OffloadStateTypeEnum]) -> None:
         parked = OffloadStateTypeEnum.lp_params in kinds
         if parked and not self.handles:
-            self.handles = [
-                self.module.register_forward_pre_hook(
-                    lambda module, args: self._refuse("the model's forward")
-                ),
-                self.module.register_state_dict_pre_hook(
-                    lambda module, prefix, keep_vars: self._refuse("the model's state_dict()")
-                ),
-            ]
+            for name, module in self.module.named_modules():
+                called = f"'{name}'" if name else "the model"
+                self.handles += [
+                    module.register_forward_pre_hook(
+                        lambda m, args, what=f"{called}'s forward": self._refuse(what),
+                        prepend=True,
+                    ),
+                    module.register_state_dict_pre_hook(
+                        lambda m, prefix, keep, what=f"{called}'s state_dict()": self._refuse(what)
+                    ),
+                    module.register_load_state_dict_pre_hook(
+                        lambda m, *args, what=f"{called}'s load_state_dict()": self._refuse(what)
+                    ),
+                ]
             if hasattr(self.store, "refusal"):
                 self.store.refusal = lambda: self._refuse("GatheredParameters")
         elif not parked:
-            self.remove()
+            self._take_off()
 
-    def remove(self) -> None:
+    def _take_off(self) -> None:
         for handle in self.handles:
             handle.remove()
         self.handles = []
         if hasattr(self.store, "refusal"):
             self.store.refusal = None
+
+    def remove(self) -> None:
+        """The engine hands the model over: the hooks come off for good."""
+        self._take_off()
+        if self.update in self.parked.listeners:
+            self.parked.listeners.remove(self.update)

@@ -34,7 +34,7 @@ from zerolap.moe.parallel import (
     set_up_expert_parallelism,
 )
 from zerolap.offload import plan_offload
-from zerolap.offload.states import NEEDED, ParkedGuard
+from zerolap.offload.states import NEEDED, OffloadStateTypeEnum, ParkedGuard
 from zerolap.runtime import python_gc
 from zerolap.runtime.buffer_dtypes import fp32_buffers
 from zerolap.runtime.flops_profiling import StepFlopsProfile
@@ -1023,6 +1023,10 @@ class ZerolapEngine(torch.nn.Module):
         sharded (``runtime.release``). A failed optimizer step still running behind the last
         ``step()`` (``offload_optimizer.defer_step``) is raised once all that is done."""
         failure = None
+        if self.optimizer is not None and self.optimizer.parked.kinds:
+            # The parameters parked by offload_states() come back before anything is let go:
+            # without device memory for them this raises, and destroy() may be called again.
+            self.optimizer.reload_states(include=[OffloadStateTypeEnum.lp_params])
         if self.optimizer is not None:
             try:
                 failure = self.optimizer.wait_behind()

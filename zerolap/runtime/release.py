@@ -21,6 +21,7 @@ import dataclasses
 import torch
 
 from zerolap.comm import CommError
+from zerolap.offload.states import OffloadStateTypeEnum
 from zerolap.utils.logging import logger
 from zerolap.zero.sharded_params import ShardedParams
 
@@ -47,9 +48,9 @@ class Attachments:
         """Take every hook and reference off the model and free the engine's buffers.
         ``gather``: stage-3 parameters are made whole (a collective: ``destroy()``); without
         it they stay sharded, owned by their store (a finalizer)."""
+        values = True  # whether the parameters hold their values (not parked and lost)
         if self.optimizer is not None and self.optimizer.parked.kinds:
-            # What offload_states() parked is the model's: back before it is handed over.
-            self.optimizer.reload_states()
+            values = self._take_back_parameters(self.optimizer.parked)
         if self.param_access is not None:
             self.param_access.detach(self.params)
         if self.optimizer is not None:
@@ -80,13 +81,33 @@ class Attachments:
             # As above: a finalizer does not report a failed gather; its parameters stay
             # guarded (in flight), so reading them raises the error instead.
             with contextlib.suppress(CommError) if not gather else contextlib.nullcontext():
-                self.param_store.detach_params()
+                if values:
+                    self.param_store.detach_params()
         for param in self.module.parameters():
             param.grad = None
         self.module.__dict__.pop("_zerolap_engine", None)
         self.params = []
         self.param_access = self.optimizer = self.reducer = self.fetcher = None
         self.param_store = self.forward_waits = None
+
+    @staticmethod
+    def _take_back_parameters(parked) -> bool:
+        """offload_states() parked some state: the parameters' memory comes back (the model
+        is handed over with it; ``destroy()`` brought it back already, or raised); the rest
+        was the engine's and is dropped. A finalizer's reload that fails (no device memory)
+        is reported and the model left without its values, rather than with the engine's
+        hooks. Whether the parameters hold their values."""
+        try:
+            parked.unpark([OffloadStateTypeEnum.lp_params], non_blocking=False)
+            return True
+        except Exception as error:
+            logger.warning(
+                f"the model's parameters, parked by offload_states(), could not be brought "
+                f"back as the engine let go of the model ({error}); they are left empty"
+            )
+            return False
+        finally:
+            parked.forget()
 
 
 def take_over(module: torch.nn.Module) -> None:

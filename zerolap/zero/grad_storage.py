@@ -341,9 +341,7 @@ class ShardGradients:
         return [self.shard]
 
     def drop_buffers(self) -> None:
-        """Free the bucket buffers reductions pass through (``offload_states``'
-        contiguous_grad_buffer): between steps none is in use, and the next reductions
-        allocate them again."""
-        if len(self._free) == self._allocated:
-            self._free.clear()
-            self._allocated = 0
+        """Free the bucket buffers reductions pass through that are free (``offload_states``'
+        contiguous_grad_buffer); the next reductions allocate them again."""
+        self._allocated -= len(self._free)  # one a raised backward never gave back stays counted
+        self._free.clear()

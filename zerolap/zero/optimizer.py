@@ -788,10 +788,12 @@ class ZeroOptimizer:
         if OffloadStateTypeEnum.contiguous_grad_buffer in kinds:
             # Scratch between steps: freed, not copied; the next reductions allocate afresh.
             self.grads.drop_buffers()
-        self.parked.park(
-            self.device_states(), kinds, pin_memory=pin_memory, non_blocking=non_blocking
-        )
-        self._finish_moves(non_blocking)
+        try:
+            self.parked.park(
+                self.device_states(), kinds, pin_memory=pin_memory, non_blocking=non_blocking
+            )
+        finally:
+            self._finish_moves(non_blocking)
 
     def reload_states(self, non_blocking: bool = False, include=None) -> None:
         """Bring back what ``offload_states`` moved (the kinds in ``include``; None: all).
