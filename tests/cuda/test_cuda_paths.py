@@ -108,5 +108,5 @@ def test_offload_states_frees_the_gpu_and_comes_back():
     refuses what needs them, and after ``reload_states()`` training goes on bit for bit."""
     assert on_gpu(check_all_parked, timeout=95)[0] == []
     memory = on_gpu(device_memory_parked, timeout=45)[0]
-    assert memory["freed"] >= memory["state"] > 0, memory
-    assert memory["taken back"] == memory["freed"], memory
+    assert memory["freed"] >= memory["model state"] + memory["buckets"] > 0, memory
+    assert memory["model state"] <= memory["taken back"] <= memory["freed"], memory

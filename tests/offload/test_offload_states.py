@@ -255,7 +255,8 @@ def device_memory_parked() -> dict:
     back = torch.cuda.memory_allocated()
     engine.destroy()
     return {
-        "state": held.total_bytes + held.bucket_buffer_bytes,
+        "model state": held.total_bytes,  # parked and brought back
+        "buckets": held.bucket_buffer_bytes,  # freed, allocated again by the next backward
         "freed": before - parked,
         "taken back": back - parked,
     }

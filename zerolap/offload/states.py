@@ -25,8 +25,8 @@ What is already in host memory (``offload_optimizer``'s part, ``offload_param``'
 state on a CPU-only host) stays where it is. While a kind is parked the engine refuses, by
 name, what needs it: forward needs ``lp_params``; backward also the gradients; ``step()`` and
 checkpoints everything. With ``lp_params`` parked ``ParkedGuard`` refuses the model's own
-entries too: its forward called directly (generation), its ``state_dict()``, stage 3's
-``GatheredParameters``.
+entries too: the forward of any of its modules called directly (generation), their
+``state_dict()`` and ``load_state_dict()``, stage 3's ``GatheredParameters``.
 """
 
 from __future__ import annotations
