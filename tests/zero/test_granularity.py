@@ -211,3 +211,46 @@ def test_a_container_subclass_counts_as_a_module():
     sizes = granularities(block)
     assert sizes[block.mlp] == (288 + 264) // 3  # its two Linears and itself
     assert sizes[block] == 712 // 8
+
+
+def _llama():
+    from transformers import AutoModelForCausalLM
+
+    from tests.clients.hf_trainer import tiny_config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config("llama"))
+
+
+def llama_losses(threshold: int) -> dict:
+    """A Hugging Face Llama (2 decoder layers) at stage 3: three steps' losses, and the units."""
+    from tests.clients.hf_trainer import VOCAB
+
+    engine, *_ = zerolap.initialize(model=_llama(), config=_config(threshold))
+    rank, losses = dist.get_rank(), []
+    for step in range(STEPS):
+        ids = torch.randint(0, VOCAB, (MICRO * 2, 8), generator=torch.Generator().manual_seed(step))
+        mine = ids[rank * MICRO : (rank + 1) * MICRO]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    out = {"losses": losses, "units": list(engine.units.names)}
+    engine.destroy()
+    return out
+
+
+def check_llama() -> list[dict]:
+    """Per layer, then with the threshold at a decoder layer's granularity."""
+    model = _llama()
+    return [llama_losses(0), llama_losses(granularities(model)[model.model.layers[0]])]
+
+
+def test_a_hugging_face_llama_gathers_its_decoder_layers_whole(ranks):
+    pytest.importorskip("transformers")
+    for per_child, layers in ranks(2).run(check_llama, timeout=TIMEOUT):
+        assert layers["units"] != per_child["units"]
+        assert "model.layers.0" in layers["units"]
+        assert not any(u.startswith("model.layers.0.") for u in layers["units"])
+        for got, want in zip(layers["losses"], per_child["losses"], strict=True):
+            assert abs(got - want) <= 1e-6 * abs(want)
