@@ -108,6 +108,11 @@ class ParkedStates:
     def kinds(self) -> set[OffloadStateTypeEnum]:
         return set(self._parked)
 
+    @property
+    def active(self) -> bool:
+        """Whether anything is parked: the check every forward, backward and step makes."""
+        return bool(self._parked)
+
     def park(
         self,
         states: dict[OffloadStateTypeEnum, list[torch.Tensor]],
@@ -172,6 +177,8 @@ class ParkedStates:
 
     def require(self, what: str, needs: Iterable | None = None) -> None:
         """Raise if ``what`` needs a parked kind: ``needs`` (None: every kind)."""
+        if not self._parked:
+            return
         missing = sorted(k.value for k in set(needs or OffloadStateTypeEnum) & self.kinds)
         if missing:
             raise StatesParkedError(

@@ -1023,7 +1023,7 @@ class ZerolapEngine(torch.nn.Module):
         sharded (``runtime.release``). A failed optimizer step still running behind the last
         ``step()`` (``offload_optimizer.defer_step``) is raised once all that is done."""
         failure = None
-        if self.optimizer is not None and self.optimizer.parked.kinds:
+        if self.optimizer is not None and self.optimizer.parked.active:
             # The parameters parked by offload_states() come back before anything is let go:
             # without device memory for them this raises, and destroy() may be called again.
             self.optimizer.reload_states(include=[OffloadStateTypeEnum.lp_params])
@@ -1366,7 +1366,8 @@ class ZerolapEngine(torch.nn.Module):
         self.optimizer.reload_states(*args, **kwargs)
 
     def _refuse_if_parked(self, what: str) -> None:
-        if self.optimizer is not None:
+        # On every forward, backward and step: nothing built unless something is parked.
+        if self.optimizer is not None and self.optimizer.parked.active:
             self.optimizer.parked.require(f"engine.{what}()", NEEDED[what])
 
     def empty_partition_cache(self) -> None:

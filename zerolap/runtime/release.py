@@ -49,7 +49,7 @@ class Attachments:
         ``gather``: stage-3 parameters are made whole (a collective: ``destroy()``); without
         it they stay sharded, owned by their store (a finalizer)."""
         values = True  # whether the parameters hold their values (not parked and lost)
-        if self.optimizer is not None and self.optimizer.parked.kinds:
+        if self.optimizer is not None and self.optimizer.parked.active:
             values = self._take_back_parameters(self.optimizer.parked)
         if self.param_access is not None:
             self.param_access.detach(self.params)
