@@ -8,6 +8,7 @@ import sys
 
 from tests.comm.test_env import LAUNCHERS
 from tests.multiproc import free_port, run_on_ranks
+from zerolap.cli import main
 from zerolap.demo.train import DemoOptions, run_demo
 
 
@@ -40,6 +41,14 @@ def _zerolap(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "zerolap.cli", *args], capture_output=True, text=True, timeout=240
     )
+
+
+def _zerolap_here(capsys, *args: str) -> tuple[int, str, str]:
+    """A command that launches nothing, run in this process (the entry point's own exit
+    status is checked once, by subprocess, in ``test_cli_bad_arguments_are_named``)."""
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
 
 
 def test_cli_demo_runs_through_the_launcher(tmp_path):
@@ -106,7 +115,7 @@ def test_cli_run_launches_a_deepspeed_style_script(tmp_path):
     assert (tmp_path / "latest").read_text() == "global_step2"
 
 
-def test_cli_bad_arguments_are_named():
+def test_cli_bad_arguments_are_named(capsys):
     cases = [
         (["demo", "--stage", "4"], "--stage must be 0, 1, 2 or 3, got 4"),
         (["demo", "--world-size", "0"], "--world-size must be >= 1, got 0"),
@@ -122,31 +131,37 @@ def test_cli_bad_arguments_are_named():
         (["run", "--master-port", "0", "x.py"], "--master-port must be a port in 1..65535, got 0"),
     ]
     for argv, message in cases:
-        result = _zerolap(*argv)
-        assert result.returncode == 2, (argv, result.stderr)
-        assert message in result.stderr, (argv, result.stderr)
+        code, _, err = _zerolap_here(capsys, *argv)
+        assert code == 2, (argv, err)
+        assert message in err, (argv, err)
+    # Through the installed entry: the status reaches the shell.
+    result = _zerolap(*cases[0][0])
+    assert result.returncode == 2 and cases[0][1] in result.stderr, result.stderr
 
 
-def test_cli_estimate_and_report():
-    result = _zerolap("estimate", "--params", "1e9", "--world", "4", "--precision", "bf16-masters")
-    assert result.returncode == 0, result.stderr
-    assert "ZeRO stage 0: (bf16-masters needs stage 1-3)" in result.stdout
-    assert "ZeRO stage 2:      3.500 GB   (bf16-masters: no offload)" in result.stdout
-    result = _zerolap("estimate", "--params", "7.5e9", "--world", "64")
-    assert result.returncode == 0
+def test_cli_estimate_and_report(capsys):
+    code, out, err = _zerolap_here(
+        capsys, "estimate", "--params", "1e9", "--world", "4", "--precision", "bf16-masters"
+    )
+    assert code == 0, err
+    assert "ZeRO stage 0: (bf16-masters needs stage 1-3)" in out
+    assert "ZeRO stage 2:      3.500 GB   (bf16-masters: no offload)" in out
+    code, out, err = _zerolap_here(capsys, "estimate", "--params", "7.5e9", "--world", "64")
+    assert code == 0
     for line in (
         "ZeRO stage 0:    120.000 GB",
         "ZeRO stage 1:     31.406 GB",
         "ZeRO stage 2:     16.641 GB",
         "ZeRO stage 3:      1.875 GB",
     ):
-        assert line in result.stdout
+        assert line in out
     # offload columns: stage 2 moves the 12 bytes of master + Adam state and the 2 of the
     # gradient shard over 64 ranks to the host (nvme: the 12 to disk, the 2 to the host)
-    stage2 = next(ln for ln in result.stdout.splitlines() if "ZeRO stage 2:" in ln)
+    stage2 = next(ln for ln in out.splitlines() if "ZeRO stage 2:" in ln)
     assert stage2.split()[5:9] == ["15.000", "GB", "1.641", "GB"], stage2
     assert stage2.split()[9:15] == ["15.000", "GB", "234.375", "MB", "1.406", "GB"], stage2
-    result = _zerolap(
+    code, out, err = _zerolap_here(
+        capsys,
         "estimate",
         "--model",
         "tests.demo.test_demo:two_layer",
@@ -155,11 +170,11 @@ def test_cli_estimate_and_report():
         "--precision",
         "fp32",
     )
-    assert result.returncode == 0 and "116 parameters" in result.stdout
-    assert "ZeRO stage 0:      1.856 KB" in result.stdout  # 116 x 16 bytes
-    assert "ZeRO stage 3:        928 B" in result.stdout  # 116 x 16 / 2
-    report = _zerolap("report")
-    assert report.returncode == 0 and "backend gloo" in report.stdout
+    assert code == 0 and "116 parameters" in out
+    assert "ZeRO stage 0:      1.856 KB" in out  # 116 x 16 bytes
+    assert "ZeRO stage 3:        928 B" in out  # 116 x 16 / 2
+    code, out, _ = _zerolap_here(capsys, "report")
+    assert code == 0 and "backend gloo" in out
 
 
 def two_layer():

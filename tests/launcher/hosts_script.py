@@ -31,13 +31,9 @@ def _sent_bytes(interface: str | None) -> int:
     return int(Path(f"/sys/class/net/{interface}/statistics/tx_bytes").read_text())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--stage", type=int, required=True)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--kill", type=int, default=-1)
-    args = parser.parse_args()
-    dist.init_distributed(verbose=False)
+def train(stage: int, kill: int = -1, log_comms: bool = True) -> tuple[list, list[dict]]:
+    """Train on the process group already joined: the whole parameters at the end, and every
+    rank's traffic (the ring's from the comms logger, when ``log_comms``)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     interface = os.environ.get("GLOO_SOCKET_IFNAME") if dist.get_local_rank() == 0 else None
     config = {
@@ -45,11 +41,11 @@ def main() -> None:
         "gradient_clipping": 1.0,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
         "zero_optimization": {
-            "stage": args.stage,
+            "stage": stage,
             "reduce_bucket_size": 200_000,
             "stage3_param_persistence_threshold": 0,
         },
-        "comms_logger": {"enabled": True},
+        "comms_logger": {"enabled": log_comms},
     }
     torch.manual_seed(0)
     model = TiedMLP(width=512)  # 0.5M parameters: traffic well above the small collectives'
@@ -59,7 +55,7 @@ def main() -> None:
     before = _sent_bytes(interface)
     mine = slice(rank * MICRO, (rank + 1) * MICRO)
     for step in range(STEPS):
-        if rank == args.kill and step == 2:
+        if rank == kill and step == 2:
             os._exit(9)
         tokens, targets = global_batch(step, MICRO * world)
         engine.backward(loss_fn(engine(tokens[mine]), targets[mine]))
@@ -76,10 +72,21 @@ def main() -> None:
     params = list(engine.module.parameters())
     with GatheredParameters(params):
         whole = [p.detach().clone() for p in params]
-    if rank == 0:
+    engine.destroy()
+    return whole, everyone
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--stage", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--kill", type=int, default=-1)
+    args = parser.parse_args()
+    dist.init_distributed(verbose=False)
+    whole, everyone = train(args.stage, args.kill)
+    if dist.get_rank() == 0:
         torch.save(whole, Path(args.out) / "params.pt")
         (Path(args.out) / "traffic.json").write_text(json.dumps(everyone))
-    engine.destroy()
 
 
 if __name__ == "__main__":

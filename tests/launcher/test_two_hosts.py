@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.launcher.hosts_script import STEPS
+from tests.launcher.hosts_script import STEPS, train
 from tests.multiproc import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,22 +102,14 @@ def _finish(launcher: subprocess.Popen) -> tuple[int, str]:
     return launcher.returncode, output
 
 
-def one_host(out: Path, stage: int) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    flags = ["-n", "4", "--master-port", str(free_port())]
-    launcher = _run([], _env(None), flags, ["--stage", str(stage), "--out", str(out)])
-    code, output = _finish(launcher)
-    assert code == 0, output[-3000:]
-
-
 @pytest.mark.parametrize("stage", [2, 3])
-def test_two_hosts_train_as_one_and_send_what_the_ring_carries(hosts, tmp_path, stage):
+def test_two_hosts_train_as_one_and_send_what_the_ring_carries(hosts, ranks, tmp_path, stage):
     results = two_hosts(hosts, tmp_path / "two", stage)
     for code, output in results:
         assert code == 0, output[-3000:]
-    one_host(tmp_path / "one", stage)
+    # The same job on one host: 4 ranks of this session's pool on loopback.
+    one, _ = ranks(4).run(train, stage, -1, False)[0]
     two = torch.load(tmp_path / "two" / "params.pt")
-    one = torch.load(tmp_path / "one" / "params.pt")
     assert all(torch.equal(a, b) for a, b in zip(two, one, strict=True))
     traffic = json.loads((tmp_path / "two" / "traffic.json").read_text())
     # Ring op of K bytes on 4 ranks: each rank sends 3 of the 4 chunks to its right

@@ -108,3 +108,5 @@ def test_the_command_lists_each_tensor_with_debug(tmp_path):
     listed = "pytorch_model.bin: fc1.weight (37, 13)"
     assert listed in loud.stderr + loud.stdout
     assert listed not in quiet.stderr + quiet.stdout
+    # Not imported before runpy runs it (Python's RuntimeWarning "found in sys.modules").
+    assert "RuntimeWarning" not in quiet.stderr, quiet.stderr

@@ -1,7 +1,8 @@
 """``zerolap.utils`` (``deepspeed.utils``): the logger, stage-3 leaf modules, per-parameter
 access to sharded state, checkpoint conversion, and ``RepeatingLoader``."""
 
-from zerolap.utils import zero_to_fp32
+import importlib
+
 from zerolap.utils.data import RepeatingLoader
 from zerolap.utils.logging import log_dist, logger
 from zerolap.utils.tensor_access import (
@@ -41,3 +42,12 @@ __all__ = [
     "z3_leaf_parameter",
     "zero_to_fp32",
 ]
+
+
+def __getattr__(name: str):
+    # ``deepspeed.utils.zero_to_fp32`` as an attribute, imported on first use: imported here
+    # eagerly, ``python -m zerolap.utils.zero_to_fp32`` (the command DeepSpeed's messages
+    # name) would find its own module already loaded and warn.
+    if name == "zero_to_fp32":
+        return importlib.import_module("zerolap.utils.zero_to_fp32")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
