@@ -24,12 +24,16 @@ def _launch(tmp_path, *flags: str) -> list[dict]:
     command = shutil.which("deepspeed", path=str(Path(sys.executable).parent))
     assert command, "the shim's deepspeed command is not installed: run make"
     out = tmp_path / "seen"
+    # A rank that aborts prints every thread's Python stack (a rare abort at exit, gloo's
+    # "terminate called without an active exception", has been seen here: where was each
+    # thread?).
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
     done = subprocess.run(
         [command, *flags, "--master_port", str(free_port()),
          str(HERE / "ds_script.py"), "--out", str(out)],
-        capture_output=True, text=True, timeout=180,
+        capture_output=True, text=True, timeout=180, env=env,
     )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-8000:]
     return [json.loads(path.read_text()) for path in sorted(tmp_path.glob("seen.*"))]
 
 
