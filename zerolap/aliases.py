@@ -86,8 +86,8 @@ MODULES: dict[str, str] = {
 _ON_IMPORT_ONLY = frozenset({"compression.helper", "utils.zero_to_fp32"})
 """Paths ``link`` leaves alone. Deprecated modules warn when imported, so only an explicit import
 of them (as in DeepSpeed, which does not import them eagerly either) should warn. A module run
-as a command (``python -m deepspeed.utils.zero_to_fp32``) must not be imported before runpy
-runs it, or Python warns; its package gives it as an attribute on first use instead."""
+as a command (``python -m zerolap.utils.zero_to_fp32``) must not be imported before runpy runs
+it, or Python warns; its package gives it as an attribute on first use instead."""
 
 
 def deepspeed_version(zerolap_version: str) -> str:

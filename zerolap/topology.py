@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import torch.distributed as torch_dist
 
 import zerolap.comm as dist
+from zerolap.comm.groups import on_destroy
 
 __all__ = [
     "ExpertGroups",
@@ -605,6 +606,14 @@ def build_mesh(tensor: int = 1, pipe: int = 1, sequence: int = 1) -> Mesh:
 
 
 _job: tuple[Mesh, object] | None = None  # the last engine's mesh, and the default group then
+
+
+def _forget_job() -> None:
+    global _job
+    _job = None  # its groups are destroyed: kept here, their threads would outlive them
+
+
+on_destroy(_forget_job)
 
 
 def use_mesh(mesh: Mesh) -> None:

@@ -1,14 +1,20 @@
 """A rank that ends as DeepSpeed's scripts do, without ``destroy_process_group``, while ops it
 started are still in flight. Writes whether the process group was still alive when the last
-exit handler ran (registered before ``init_distributed``, so it runs after zerolap's)."""
+exit handler ran (registered before ``init_distributed``, so it runs after zerolap's), and, in
+the engine modes, whether the group's object was freed before the process ended (a weak
+reference's callback writes to a second file)."""
 
 import atexit
+import gc
 import os
 import sys
 import time
+import weakref
 
 import torch
+import torch.distributed as torch_dist
 
+import zerolap
 import zerolap.comm as dist
 import zerolap.comm.groups as groups
 
@@ -43,3 +49,26 @@ elif mode == "unmatched":
 elif mode == "raises":
     handles = [dist.all_reduce(torch.ones(4), async_op=True)]
     raise ValueError("the script failed")
+elif mode in ("engine", "engine_destroyed"):
+    # A ZeRO-2 engine trained a step (its optimizer built after the group existed) and kept
+    # in a global, as scripts keep it; or destroyed, let go of and the group destroyed.
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    config = {
+        "train_micro_batch_size_per_gpu": 4,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 2},
+    }
+    engine, *_ = zerolap.initialize(model=model, config=config)
+    engine.backward(engine(torch.ones(4, 64)).sum())
+    engine.step()
+    freed = os.open(f"{out_file}.freed.{os.environ['RANK']}", os.O_WRONLY | os.O_CREAT)
+    # os.write bound now: the callback may run late in the interpreter's teardown.
+    group = weakref.ref(
+        torch_dist.group.WORLD, lambda _, fd=freed, write=os.write: write(fd, b"freed")
+    )
+    if mode == "engine_destroyed":
+        engine.destroy()
+        del engine, _
+        dist.destroy_process_group()
+        gc.collect()
+        assert group() is None, "the destroyed group is still referenced"

@@ -17,6 +17,10 @@ SCRIPT = Path(__file__).resolve().parent / "exit_script.py"
 ROOT = SCRIPT.parents[2]
 
 
+def _read(path: Path) -> str | None:
+    return path.read_text() if path.exists() else None
+
+
 def _run_two_ranks(tmp_path, mode: str) -> list[dict]:
     port = str(free_port())
     procs = []
@@ -58,6 +62,7 @@ def _run_two_ranks(tmp_path, mode: str) -> list[dict]:
                 "err": err,
                 "took": time.monotonic() - start,
                 "seen": seen.read_text() if seen.exists() else None,
+                "freed": _read(tmp_path / f"seen.freed.{len(results)}"),
             }
         )
     return results
@@ -85,3 +90,22 @@ def test_an_uncaught_exception_exits_at_once_with_its_error(tmp_path):
         # The error's exit code, or gloo's abort as before: the run failed either way.
         assert result["code"] in (1, -6) and "ValueError: the script failed" in result["err"]
         assert result["seen"] == "alive"
+
+
+def test_a_script_that_keeps_its_engine_frees_the_group_before_the_process_ends(tmp_path):
+    # Kept by the script's engine, the group is freed as the interpreter tears the script's
+    # globals down. Before, zerolap's mesh record and torch.distributed.nn's default
+    # arguments (imported after the group existed) kept it to the end: gloo's threads still
+    # ran as the process exited, 2 ranks in 2 runs of 2.
+    for rank, result in enumerate(_run_two_ranks(tmp_path, "engine")):
+        assert result["code"] == 0, (rank, result["err"][-2000:])
+        assert result["seen"] == "released", rank
+        assert result["freed"] == "freed", rank
+
+
+def test_a_destroyed_group_is_freed_once_its_engine_is(tmp_path):
+    # A program that makes another group after (an elastic restart, a notebook) does not keep
+    # the old one's threads and sockets.
+    for rank, result in enumerate(_run_two_ranks(tmp_path, "engine_destroyed")):
+        assert result["code"] == 0, (rank, result["err"][-2000:])
+        assert result["freed"] == "freed", rank

@@ -134,7 +134,7 @@ def test_cli_bad_arguments_are_named(capsys):
         code, _, err = _zerolap_here(capsys, *argv)
         assert code == 2, (argv, err)
         assert message in err, (argv, err)
-    # Through the installed entry: the status reaches the shell.
+    # Through ``python -m zerolap.cli``: the status reaches the shell.
     result = _zerolap(*cases[0][0])
     assert result.returncode == 2 and cases[0][1] in result.stderr, result.stderr
 

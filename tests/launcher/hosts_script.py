@@ -1,4 +1,6 @@
-"""A training script for ``test_two_hosts.py``, started by ``zerolap run`` on each "host".
+"""A training script for ``test_two_hosts.py``, started by ``zerolap run`` on each "host"; its
+``train`` also runs on the test session's 4-rank pool, as the same job on one host (with the
+comms logger off there: it records, it changes no value).
 
 Trains a few steps of the tests' GPT-like model at the given ZeRO stage, with the comms logger
 on. Rank 0 writes the final whole parameters and what crossed between the hosts: the bytes sent

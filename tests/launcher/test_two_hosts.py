@@ -58,12 +58,14 @@ def hosts():
         subprocess.run(["ip", "netns", "del", namespace], capture_output=True)
 
 
-def _env(interface: str | None) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    env.pop("GLOO_SOCKET_IFNAME", None)
-    if interface is not None:
-        env["GLOO_SOCKET_IFNAME"] = interface  # gloo's address: the host's own, not loopback
-    return env
+def _env(interface: str) -> dict:
+    # gloo's address: the host's own, not loopback
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "GLOO_SOCKET_IFNAME": interface,
+    }
 
 
 def _run(prefix: list[str], env: dict, flags: list[str], script_args: list[str]):
@@ -108,7 +110,7 @@ def test_two_hosts_train_as_one_and_send_what_the_ring_carries(hosts, ranks, tmp
     for code, output in results:
         assert code == 0, output[-3000:]
     # The same job on one host: 4 ranks of this session's pool on loopback.
-    one, _ = ranks(4).run(train, stage, -1, False)[0]
+    one, _ = ranks(4).run(train, stage, -1, False, timeout=180)[0]
     two = torch.load(tmp_path / "two" / "params.pt")
     assert all(torch.equal(a, b) for a, b in zip(two, one, strict=True))
     traffic = json.loads((tmp_path / "two" / "traffic.json").read_text())

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-# zerolap's logger by name: zerolap.utils imports this package (zero_to_fp32), not the reverse.
+# zerolap's logger by name: zerolap.utils reaches this package (zero_to_fp32), not the reverse.
 logger = logging.getLogger("zerolap")
 
 __all__ = [

@@ -12,6 +12,15 @@ ranks exiting with an ``async_op`` all-gather not yet waited for aborted 8 times
 in flight, which peers running the same program complete; it is bounded (``EXIT_RELEASE_S``) so
 that a peer that never joins cannot hold the exit, and skipped after an uncaught exception, whose
 process exits with an error anyway. A group the user created is the user's to destroy.
+
+A destroyed group must also be let go of, or its C++ object (gloo's worker threads and
+sockets) lives on until the interpreter tears down, where the abort above waits. Module-level
+state that keeps a group (the job's mesh) forgets it when the default group is destroyed
+(``on_destroy``). And ``torch.distributed.nn.functional`` is imported here, before any group
+exists: torch imports it lazily (building a torch optimizer does, through FSDP's modules), and
+its functions take ``group=group.WORLD`` as a default argument, evaluated at import; imported
+after ``init_process_group``, ten functions' defaults would hold the default group for the
+life of the process.
 """
 
 from __future__ import annotations
@@ -20,10 +29,12 @@ import atexit
 import os
 import sys
 import threading
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as torch_dist
+import torch.distributed.nn.functional  # before any group exists: see above
 
 from zerolap.comm import debug, watchdog
 from zerolap.comm.env import discover_launch_env
@@ -52,6 +63,7 @@ _local_rank = 0
 _release_pid: int | None = None  # the process whose group init_distributed created
 _released_group: int | None = None  # id() of that group (not a reference: it may be destroyed)
 _release_registered = False
+_on_destroy: list[Callable[[], None]] = []  # what to forget when the default group goes
 
 
 def as_timedelta(timeout: timedelta | float | int) -> timedelta:
@@ -249,6 +261,12 @@ def new_group(ranks: list[int] | None = None, **kwargs) -> torch_dist.ProcessGro
     return torch_dist.new_group(ranks, **kwargs)
 
 
+def on_destroy(forget: Callable[[], None]) -> None:
+    """Call ``forget`` whenever the default group is destroyed (every group goes with it): a
+    module that keeps groups beyond the objects that use them lets them go there."""
+    _on_destroy.append(forget)
+
+
 def destroy_process_group(group: torch_dist.ProcessGroup | None = None) -> None:
     global _release_pid
     from zerolap.comm.checks import forget_groups
@@ -259,5 +277,7 @@ def destroy_process_group(group: torch_dist.ProcessGroup | None = None) -> None:
     if group is None:
         _release_pid = None  # a group created after this one, by the user, is the user's
         watchdog.stop()
+        for forget in _on_destroy:
+            forget()
     if torch_dist.is_initialized():
         torch_dist.destroy_process_group(group)

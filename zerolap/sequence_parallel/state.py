@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch.distributed as torch_dist
 
 import zerolap.comm as dist
+from zerolap.comm.groups import on_destroy
 from zerolap.topology import Mesh, build_mesh
 
 __all__ = [
@@ -24,6 +25,14 @@ __all__ = [
 
 _mesh: Mesh | None = None
 _world = None  # the default group the mesh's groups belong to
+
+
+def _forget() -> None:
+    global _mesh, _world
+    _mesh = _world = None  # destroyed with the default group: not kept alive here
+
+
+on_destroy(_forget)
 
 
 def initialize_sequence_parallel(sequence_parallel_size: int) -> None:

@@ -1,8 +1,6 @@
 """``zerolap.utils`` (``deepspeed.utils``): the logger, stage-3 leaf modules, per-parameter
 access to sharded state, checkpoint conversion, and ``RepeatingLoader``."""
 
-import importlib
-
 from zerolap.utils.data import RepeatingLoader
 from zerolap.utils.logging import log_dist, logger
 from zerolap.utils.tensor_access import (
@@ -46,8 +44,14 @@ __all__ = [
 
 def __getattr__(name: str):
     # ``deepspeed.utils.zero_to_fp32`` as an attribute, imported on first use: imported here
-    # eagerly, ``python -m zerolap.utils.zero_to_fp32`` (the command DeepSpeed's messages
-    # name) would find its own module already loaded and warn.
+    # eagerly, ``python -m zerolap.utils.zero_to_fp32`` would find its own module already
+    # loaded and warn.
     if name == "zero_to_fp32":
-        return importlib.import_module("zerolap.utils.zero_to_fp32")
+        from importlib import import_module
+
+        return import_module("zerolap.utils.zero_to_fp32")
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
