@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import torch.distributed as torch_dist
 
 import zerolap.comm as dist
-from zerolap.comm.groups import on_destroy
+from zerolap.comm.groups import is_world, on_destroy, world_ref
 
 __all__ = [
     "ExpertGroups",
@@ -605,7 +605,7 @@ def build_mesh(tensor: int = 1, pipe: int = 1, sequence: int = 1) -> Mesh:
     )
 
 
-_job: tuple[Mesh, object] | None = None  # the last engine's mesh, and the default group then
+_job: tuple[Mesh, object] | None = None  # the last engine's mesh, and (weakly) the group then
 
 
 def _forget_job() -> None:
@@ -620,13 +620,13 @@ def use_mesh(mesh: Mesh) -> None:
     """Record ``mesh`` as the job's (``initialize`` does), for DeepSpeed's module-level group
     questions (``deepspeed.utils.groups``)."""
     global _job
-    _job = (mesh, torch_dist.group.WORLD)
+    _job = (mesh, world_ref())
 
 
 def job_mesh() -> Mesh:
     """The mesh the last engine of this process group was built on; without one, the job as
     data parallelism alone (no groups are made)."""
-    if _job is not None and _job[1] is torch_dist.group.WORLD:
+    if _job is not None and is_world(_job[1]):
         return _job[0]
     return Mesh(ParallelDims(dist.get_world_size()), dist.get_rank(), None, None)
 

@@ -8,6 +8,7 @@ import atexit
 import gc
 import os
 import sys
+import threading
 import time
 import weakref
 
@@ -69,6 +70,9 @@ elif mode in ("engine", "engine_destroyed"):
     if mode == "engine_destroyed":
         engine.destroy()
         del engine, _
-        dist.destroy_process_group()
+        # Named explicitly, the default group is destroyed with every other (as by None).
+        dist.destroy_process_group(dist.get_world_group())
         gc.collect()
         assert group() is None, "the destroyed group is still referenced"
+        beating = [t.name for t in threading.enumerate() if t.name == "zerolap-watchdog"]
+        assert not beating, "the watchdog still beats for a destroyed group"

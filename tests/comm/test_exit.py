@@ -93,8 +93,9 @@ def test_an_uncaught_exception_exits_at_once_with_its_error(tmp_path):
 
 
 def test_a_script_that_keeps_its_engine_frees_the_group_before_the_process_ends(tmp_path):
-    # Kept by the script's engine, the group is freed as the interpreter tears the script's
-    # globals down. Before, zerolap's mesh record and torch.distributed.nn's default
+    # The script ends without destroying, its engine in a global: zerolap's exit release
+    # destroys the group and nothing keeps its object (an engine of data parallelism alone
+    # holds no group). Before, zerolap's mesh record and torch.distributed.nn's default
     # arguments (imported after the group existed) kept it to the end: gloo's threads still
     # ran as the process exited, 2 ranks in 2 runs of 2.
     for rank, result in enumerate(_run_two_ranks(tmp_path, "engine")):

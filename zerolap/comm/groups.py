@@ -16,11 +16,14 @@ process exits with an error anyway. A group the user created is the user's to de
 A destroyed group must also be let go of, or its C++ object (gloo's worker threads and
 sockets) lives on until the interpreter tears down, where the abort above waits. Module-level
 state that keeps a group (the job's mesh) forgets it when the default group is destroyed
-(``on_destroy``). And ``torch.distributed.nn.functional`` is imported here, before any group
-exists: torch imports it lazily (building a torch optimizer does, through FSDP's modules), and
-its functions take ``group=group.WORLD`` as a default argument, evaluated at import; imported
-after ``init_process_group``, ten functions' defaults would hold the default group for the
-life of the process.
+(``on_destroy``), and identity checks hold it weakly (``world_ref``). And
+``torch.distributed.nn.functional`` is imported with this module: torch imports it lazily
+(building a torch optimizer does, through FSDP's modules), and its functions take
+``group=group.WORLD`` as a default argument, evaluated at import; imported after
+``init_process_group``, ten functions' defaults would hold the default group for the life of
+the process. Importing zerolap (or the deepspeed shim) before the group is made, as scripts
+do, keeps them at None; a program that makes its group and builds an optimizer before
+importing zerolap keeps that group pinned, as plain torch would.
 """
 
 from __future__ import annotations
@@ -29,12 +32,13 @@ import atexit
 import os
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 import torch.distributed as torch_dist
-import torch.distributed.nn.functional  # before any group exists: see above
+import torch.distributed.nn.functional  # imported early: see above
 
 from zerolap.comm import debug, watchdog
 from zerolap.comm.env import discover_launch_env
@@ -261,6 +265,18 @@ def new_group(ranks: list[int] | None = None, **kwargs) -> torch_dist.ProcessGro
     return torch_dist.new_group(ranks, **kwargs)
 
 
+def world_ref() -> weakref.ref:
+    """The default group, weakly: to tell later whether it is still the job's without keeping
+    it alive (its object, and gloo's threads, must go when it is destroyed)."""
+    return weakref.ref(torch_dist.group.WORLD)
+
+
+def is_world(ref: weakref.ref | None) -> bool:
+    """Whether ``ref`` (from ``world_ref``) is the current default group."""
+    world = torch_dist.group.WORLD
+    return ref is not None and world is not None and ref() is world
+
+
 def on_destroy(forget: Callable[[], None]) -> None:
     """Call ``forget`` whenever the default group is destroyed (every group goes with it): a
     module that keeps groups beyond the objects that use them lets them go there."""
@@ -274,7 +290,7 @@ def destroy_process_group(group: torch_dist.ProcessGroup | None = None) -> None:
 
     forget_groups()
     forget_channels()
-    if group is None:
+    if group is None or group is torch_dist.group.WORLD:  # torch destroys every group then
         _release_pid = None  # a group created after this one, by the user, is the user's
         watchdog.stop()
         for forget in _on_destroy:

@@ -5,10 +5,8 @@ sequence-parallel degree S; the engine takes that mesh whole (``mesh_from_mpu``)
 
 from __future__ import annotations
 
-import torch.distributed as torch_dist
-
 import zerolap.comm as dist
-from zerolap.comm.groups import on_destroy
+from zerolap.comm.groups import is_world, on_destroy, world_ref
 from zerolap.topology import Mesh, build_mesh
 
 __all__ = [
@@ -24,7 +22,7 @@ __all__ = [
 ]
 
 _mesh: Mesh | None = None
-_world = None  # the default group the mesh's groups belong to
+_world = None  # the default group the mesh's groups belong to, weakly (``world_ref``)
 
 
 def _forget() -> None:
@@ -51,13 +49,13 @@ def initialize_sequence_parallel(sequence_parallel_size: int) -> None:
         raise ValueError(f"sequence_parallel_size must be greater than 1, got {size}")
     if initialized() and _mesh.dims.sequence == size:
         return
-    _mesh, _world = build_mesh(sequence=size), torch_dist.group.WORLD
+    _mesh, _world = build_mesh(sequence=size), world_ref()
 
 
 def initialized() -> bool:
     """Whether the groups exist (and belong to the current process group: a job that tore
     its process group down and made another has none)."""
-    return _mesh is not None and _world is torch_dist.group.WORLD
+    return _mesh is not None and is_world(_world)
 
 
 def current_mesh() -> Mesh:
