@@ -12,6 +12,7 @@ import torch.distributed as torch_dist
 import zerolap
 import zerolap.comm as dist
 from tests.multiproc import RankFailure, run_on_ranks
+from zerolap.comm.checks import check_group
 from zerolap.comm.env import discover_launch_env, first_slurm_host
 
 
@@ -147,6 +148,27 @@ def _join_two_ranks(timeout: float) -> None:
         rank=int(os.environ["ZL_RANK"]),
         world_size=2,
         init_method=f"tcp://127.0.0.1:{os.environ['ZL_PORT']}",
+    )
+
+
+def regroup_through_torch():
+    """Two ranks, then torch's own destroy (as Accelerate's ``end_training`` does) and a new
+    group of each rank alone: zerolap's ops must see the new group, not the facts of the old."""
+    _join_two_ranks(timeout=30)
+    dist.ring_all_reduce(torch.ones(3))  # the default group's facts are looked up and kept
+    torch_dist.destroy_process_group()
+    torch_dist.init_process_group("gloo", store=torch_dist.HashStore(), rank=0, world_size=1)
+    alone = dist.ring_all_reduce(torch.full((3,), 2.0)).tolist()
+    size = check_group("test", None).size
+    torch_dist.destroy_process_group()
+    return alone, size
+
+
+def test_ops_after_torchs_own_destroy_see_the_new_group():
+    # Before, the ring all-reduce used the old group's size (2) in a group of one.
+    assert (
+        run_on_ranks(regroup_through_torch, 2, env=_rank_port_env, init=False)
+        == [([2.0] * 3, 1)] * 2
     )
 
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as torch_dist
 
-from zerolap.comm.groups import backend_of, group_ranks, require_initialized
+from zerolap.comm.groups import backend_of, group_ranks, is_world, require_initialized, world_ref
 
 __all__ = [
     "GroupInfo",
@@ -54,12 +54,17 @@ class GroupInfo:
 
 
 # A group's members never change, so its facts are looked up once (each lookup is a call into
-# torch that costs microseconds on every collective otherwise). Cleared when groups go away.
+# torch that costs microseconds on every collective otherwise). Cleared when groups go away:
+# by zerolap's destroy_process_group, or on the first op after torch's own destroy and a new
+# group (Accelerate's end_training destroys through torch), whose ranks may differ.
 _group_infos: dict[object, GroupInfo] = {}
+_infos_world = None  # the default group the facts are of, weakly (``world_ref``)
 
 
 def forget_groups() -> None:
+    global _infos_world
     _group_infos.clear()
+    _infos_world = None
 
 
 def buffer_device(group: torch_dist.ProcessGroup | None = None) -> torch.device:
@@ -69,7 +74,11 @@ def buffer_device(group: torch_dist.ProcessGroup | None = None) -> torch.device:
 
 
 def check_group(op: str, group: torch_dist.ProcessGroup | None) -> GroupInfo:
+    global _infos_world
     require_initialized(op)
+    if not is_world(_infos_world):
+        _group_infos.clear()
+        _infos_world = world_ref()
     info = _group_infos.get(group)
     if info is not None:
         return info
