@@ -65,7 +65,7 @@ EXIT_RELEASE_S = 30.0
 
 _local_rank = 0
 _release_pid: int | None = None  # the process whose group init_distributed created
-_released_group: int | None = None  # id() of that group (not a reference: it may be destroyed)
+_released_group: weakref.ref | None = None  # that group, weakly (``world_ref``)
 _release_registered = False
 _on_destroy: list[Callable[[], None]] = []  # what to forget when the default group goes
 
@@ -146,7 +146,7 @@ def init_distributed(
         atexit.register(_release_at_exit)
         _release_registered = True
     _release_pid = os.getpid()
-    _released_group = id(torch_dist.group.WORLD)
+    _released_group = world_ref()
     watchdog.start(launch.rank, launch.world_size, timeout.total_seconds())
     if verbose and launch.rank == 0:
         logger.info(
@@ -162,7 +162,7 @@ def _release_at_exit() -> None:
     if (
         os.getpid() != _release_pid
         or not torch_dist.is_initialized()
-        or id(torch_dist.group.WORLD) != _released_group  # since replaced by the user's
+        or not is_world(_released_group)  # since replaced by the user's
         or getattr(sys, "last_value", None) is not None
     ):
         return
