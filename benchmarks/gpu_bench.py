@@ -90,6 +90,7 @@ class Row:
     device: str
     syncs_per_step: float | None = None  # --count-syncs: implicit host syncs, measured steps
     profile: str | None = None  # --profile: where the measured steps' host and device time went
+    phases: dict[str, tuple[float, float]] | None = None  # --phases: median host, device s
 
 
 def _config(stage: int, offload: bool, batch: int, gas: int, model: str = "gpt2") -> dict:
@@ -114,6 +115,51 @@ def _config(stage: int, offload: bool, batch: int, gas: int, model: str = "gpt2"
     }
 
 
+def _unmarked(name: str) -> contextlib.AbstractContextManager:
+    """A phase of the step as the timing rows run it: unmarked (``--profile`` marks it)."""
+    return contextlib.nullcontext()
+
+
+PHASES = ("forward", "backward", "step")
+
+
+class _PhaseTimer:
+    """``--phases``: each phase of a step, timed on the host (from entering it to leaving it)
+    and on the device (between CUDA events recorded as the host enters and leaves it: the
+    device's time from finishing the work queued before the phase to finishing the phase's,
+    its waits for the host's launches included). A phase whose device time exceeds its
+    kernels' is one the host held up; against plain's, each phase's device time says where
+    a row's extra step time went. Events cost microseconds: the timing rows run without."""
+
+    def __init__(self, torch) -> None:
+        self.torch = torch
+        self.marks: dict[str, list] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        begin = self.torch.cuda.Event(enable_timing=True)
+        end = self.torch.cuda.Event(enable_timing=True)
+        begin.record()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            host = time.perf_counter() - start
+            end.record()
+            self.marks.setdefault(name, []).append((host, begin, end))
+
+    def spans(self) -> dict[str, tuple[float, float]]:
+        """After the step's sync: per phase, host and device seconds (summed over the step's
+        micro-batches)."""
+        return {
+            name: (
+                sum(h for h, _, _ in self.marks.get(name, [])),
+                sum(b.elapsed_time(e) / 1e3 for _, b, e in self.marks.get(name, [])),
+            )
+            for name in PHASES
+        }
+
+
 class _Plain:
     """PyTorch alone, with the fp32 master weights a bf16 run needs."""
 
@@ -126,18 +172,21 @@ class _Plain:
             self.master, lr=LR, weight_decay=WEIGHT_DECAY, fused=True
         )
 
-    def train_step(self, micro_batches) -> float:
+    def train_step(self, micro_batches, phase=_unmarked) -> float:
         losses = []
         for tokens, targets in micro_batches:
-            loss = self.model(tokens, targets)
-            (loss / len(micro_batches)).backward()  # the engines' scaling by 1 / gas
+            with phase("forward"):
+                loss = self.model(tokens, targets)
+            with phase("backward"):
+                (loss / len(micro_batches)).backward()  # the engines' scaling by 1 / gas
             losses.append(loss.detach())
-        for p, m in zip(self.params, self.master, strict=True):
-            m.grad = p.grad.float()
-            p.grad = None
-        self.optimizer.step()
-        with self.torch.no_grad():
-            self.torch._foreach_copy_(self.params, self.master)
+        with phase("step"):
+            for p, m in zip(self.params, self.master, strict=True):
+                m.grad = p.grad.float()
+                p.grad = None
+            self.optimizer.step()
+            with self.torch.no_grad():
+                self.torch._foreach_copy_(self.params, self.master)
         return sum(loss.item() for loss in losses) / len(losses)  # read once the step is queued
 
 
@@ -145,12 +194,15 @@ class _Engine:
     def __init__(self, engine) -> None:
         self.engine = engine
 
-    def train_step(self, micro_batches) -> float:
+    def train_step(self, micro_batches, phase=_unmarked) -> float:
         losses = []
         for tokens, targets in micro_batches:
-            loss = self.engine(tokens, targets)
-            self.engine.backward(loss)
-            self.engine.step()  # steps at the last micro-batch
+            with phase("forward"):
+                loss = self.engine(tokens, targets)
+            with phase("backward"):
+                self.engine.backward(loss)
+            with phase("step"):
+                self.engine.step()  # steps at the last micro-batch
             losses.append(loss.detach())
         return sum(loss.item() for loss in losses) / len(losses)
 
@@ -181,6 +233,7 @@ def _measure(
     warmup: int,
     count_syncs: bool,
     profile: bool = False,
+    phases: bool = False,
 ) -> Row:
     import torch
 
@@ -217,6 +270,7 @@ def _measure(
     step_s, losses = [], []
     counting = count_syncs and cuda
     profiling, profilers = contextlib.ExitStack(), None
+    timed: list[dict[str, tuple[float, float]]] = []  # --phases, per measured step
     with profiling, warnings.catch_warnings(record=counting) as caught:
         for step in range(warmup + steps):
             micro_batches = [
@@ -231,10 +285,14 @@ def _measure(
             if profile and step == warmup:
                 profilers = _start_profiling(profiling, torch, cuda)
             start = time.perf_counter()
-            losses.append(trainer.train_step(micro_batches))
+            phase = torch.profiler.record_function if profilers else _unmarked
+            timer = _PhaseTimer(torch) if phases and cuda and step >= warmup else None
+            losses.append(trainer.train_step(micro_batches, timer or phase))
             sync()
             if step >= warmup:
                 step_s.append(time.perf_counter() - start)
+            if timer is not None:
+                timed.append(timer.spans())
         if counting:
             torch.cuda.set_sync_debug_mode("default")
             found = sum("synchroniz" in str(w.message) for w in caught)
@@ -246,6 +304,12 @@ def _measure(
         device=torch.cuda.get_device_name(device) if cuda else "cpu (no accelerator)",
         syncs_per_step=found / steps if counting else None,
         profile=_profile_summary(*profilers, sum(step_s), steps) if profilers else None,
+        phases={
+            name: tuple(statistics.median(t[name][i] for t in timed) for i in (0, 1))
+            for name in PHASES
+        }
+        if timed
+        else None,
     )
 
 
@@ -279,11 +343,67 @@ def _profile_summary(ops, python: cProfile.Profile, wall_s: float, steps: int) -
     out = io.StringIO()
     stats = pstats.Stats(python, stream=out)
     stats.sort_stats("tottime").print_stats(25)
+    try:
+        idle = _device_idle(ops.profiler.kineto_results.events(), steps)
+    except Exception as error:  # a diagnosis: its failure must not hide the rest
+        idle = f"device idle: not read ({type(error).__name__}: {error})"
     return (
         f"kernels {kernel_s / steps * 1e3:.2f} ms a step, {kernel_s / wall_s:.0%} of the "
-        f"steps' wall time (profiled, so slower than the timing rows)\n"
+        f"steps' wall time (profiled, so slower than the timing rows)\n{idle}\n"
         f"{averages.table(sort_by='self_cpu_time_total', row_limit=20)}\n{out.getvalue()}"
     )
+
+
+def _device_idle(events, steps: int, largest: int = 12) -> str:
+    """Where the device waited for the host: each gap between the device's work (kernels and
+    copies, all streams merged) is put on the host op that launched the work ending it, and on
+    the phase of the step (forward, backward, step) that op ran in. The device's wait across
+    the start of a forward (since the last step's sync, for the loop) is not counted."""
+    cpu = [e for e in events if e.device_type().name == "CPU"]
+    phases = sorted((e.start_ns(), e.end_ns(), e.name()) for e in cpu if e.name() in PHASES)
+    launcher = {e.correlation_id(): e for e in cpu}
+    work = sorted(
+        (e.start_ns(), e.end_ns(), e.name(), launcher.get(e.linked_correlation_id()))
+        for e in events
+        if e.device_type().name != "CPU"
+        and e.name() not in PHASES  # a phase's span on the device's timeline, not work
+        and e.linked_correlation_id() in launcher
+    )
+    if not work or not phases:
+        return "device idle: no device work recorded"
+    forwards = [p[0] for p in phases if p[2] == "forward"]
+
+    def phase_of(t: int) -> str:
+        for start, end, name in phases:
+            if start <= t <= end:
+                return name
+        return "between phases"
+
+    by_phase: dict[str, float] = {}
+    gaps = []
+    busy_until = None
+    for start, end, name, op in work:
+        when = op.start_ns()
+        where = phase_of(when)
+        # Idle across a forward's start is the loop's sync between steps: not counted.
+        if (
+            busy_until is not None
+            and start > busy_until
+            and not any(busy_until < f < start for f in forwards)
+        ):
+            gap = (start - busy_until) / 1e6
+            by_phase[where] = by_phase.get(where, 0.0) + gap
+            gaps.append((gap, where, op.name(), name))
+        busy_until = end if busy_until is None else max(busy_until, end)
+    lines = [
+        "device idle a step, by the phase whose host work ended the wait: "
+        + ", ".join(
+            f"{p} {by_phase.get(p, 0.0) / steps:.2f} ms" for p in (*PHASES, "between phases")
+        )
+    ]
+    for gap, where, op, kernel in sorted(gaps, reverse=True)[:largest]:
+        lines.append(f"  {gap:7.3f} ms in {where}, ended by {op} ({kernel[:60]})")
+    return "\n".join(lines)
 
 
 def _parse(argv):
@@ -307,6 +427,12 @@ def _parse(argv):
         action="store_true",
         help="profile the measured steps (torch's profiler and cProfile) and print where the "
         "host's and the device's time went, after the table: a diagnosis, not a timing",
+    )
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="on a GPU, time each phase of the measured steps (forward, backward, step) on "
+        "the host and on the device (CUDA events) and print them after the table",
     )
     parser.add_argument(
         "--budget-s",
@@ -338,7 +464,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 job = (
                     name, args.model, args.batch, args.gas, args.steps, args.warmup,
-                    args.count_syncs, args.profile,
+                    args.count_syncs, args.profile, args.phases,
                 )  # fmt: skip
                 row = spawn(1, _row, job, timeout)[0]
                 runs[name].append(row)
@@ -386,6 +512,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{max(r.peak_device_bytes for r in rows) / MIB:9.0f}MiB "
             f"{max(r.peak_rss_bytes for r in rows) / MIB:6.0f}MiB {diff:10.2e}{syncs}"
         )
+    timed = {name: [r.phases for r in runs[name] if r.phases] for name in systems}
+    if any(timed.values()):
+        print("\nphases, median ms (host / device):")
+        for name, rows in timed.items():
+            if rows:
+                cells = [
+                    f"{p} {statistics.median(r[p][0] for r in rows) * 1e3:5.2f} / "
+                    f"{statistics.median(r[p][1] for r in rows) * 1e3:5.2f}"
+                    for p in PHASES
+                ]
+                print(f"{name:10} " + ", ".join(cells))
     for name in systems:
         for row in runs[name]:
             if row.profile is not None:

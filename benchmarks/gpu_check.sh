@@ -15,8 +15,9 @@
 #            FusedAdam and CPUAdam, a minute or more each)
 #   syncs    the implicit host syncs per step of plain and of zerolap's rows (CUDA's sync debug
 #            mode; a diagnosis of the step times, not a timing)
-#   profile  where stage 3's steps spend host and device time (torch's profiler and cProfile
-#            over 3 steps of plain, z3 and z3-blocks; a diagnosis, not a timing)
+#   profile  where stages 1-3 spend host and device time (torch's profiler and
+#            cProfile over 3 steps of plain, z1, z2, z3 and z3-blocks, and the device idle time by
+#            the phase of the step whose host work ended it; a diagnosis, not a timing)
 # Every log goes to $OUT as it is written, so a call cut short still brings back what ran.
 # BUDGET_S (default 300) is the seconds the call may take: each benchmark pass starts no row
 # after its share, and a row started late may run a minute over.
@@ -73,7 +74,7 @@ for pass in $PASSES; do
             --systems plain z0 z2 z3 z2-cpu z3-cpu ;;
     profile)
         bench gpu_profile.log 0 --profile --steps 3 --warmup 3 --rounds 1 \
-            --systems plain z3 z3-blocks ;;
+            --systems plain z1 z2 z3 z3-blocks ;;
     *)
         echo "gpu_check: unknown pass '$pass' (tests, zerolap, gas, ds, syncs, profile)" >&2
         exit 2 ;;

@@ -54,6 +54,27 @@ def test_a_scoped_backward_reduces_its_buckets_only():
     assert storage.shard.tolist() == [0.0] * 8 + [2.0] * 4 + [3.0] * 4
 
 
+def test_a_bucket_no_round_reached_in_a_cycle_reads_as_zero():
+    """A cycle's first round is copied into the shard, not added to zeros: a bucket that no
+    round reached still holds the last cycle's sum until a reader settles the storage, which
+    zeroes it, and a later round of the cycle then adds onto the zeros."""
+    params, storage, _, reducer = _reducer()
+    reducer.begin_backward(True)
+    sum(p * (i + 5) for i, p in enumerate(params)).sum().backward()
+    reducer.finish_backward()
+    assert storage.shard.tolist() == [5.0] * 4 + [6.0] * 4 + [7.0] * 4 + [8.0] * 4
+    reducer.begin_cycle()
+    reducer.begin_backward(True, scope=frozenset({1}))
+    (params[2] * 2 + params[3] * 3).sum().backward()
+    reducer.finish_backward()
+    storage.settle()
+    assert storage.shard.tolist() == [0.0] * 8 + [2.0] * 4 + [3.0] * 4
+    reducer.begin_backward(True)
+    sum(params).sum().backward()
+    reducer.finish_backward()
+    assert storage.shard.tolist() == [1.0] * 8 + [3.0] * 4 + [4.0] * 4
+
+
 def test_a_gradient_outside_the_scope_is_named():
     params, _, _, reducer = _reducer()
     reducer.begin_backward(True, scope=frozenset({1}))

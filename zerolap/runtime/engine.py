@@ -939,6 +939,8 @@ class ZerolapEngine(torch.nn.Module):
                 self.optimizer.publish()
             if self.fetcher is not None:
                 self.fetcher.prefetch_next_step()
+            # A skip the device decided is known from here: after the step's launches.
+            applied = self.optimizer.confirm()
             end = time.perf_counter()
             self._phase_recorders("optimizer", start, updated)
             self._phase_recorders("allgather_wait", updated, end, compute=False)

@@ -8,7 +8,8 @@ Two kinds, chosen once per ZeRO stage:
   dtype differs).
 * ``ShardGradients`` (stages 2 and 3): only this rank's shard is kept. Each bucket collects its
   gradients in a buffer from a small pool, reduce-scattered every micro-batch; the owned chunk is
-  added into the shard and the buffer goes back to the pool. Memory for the other ranks'
+  copied into the shard (the cycle's first round) or added to it, and the buffer goes back to
+  the pool. Memory for the other ranks'
   gradients is a few bucket buffers, whatever the model's size. With optimizer offload from an
   accelerator, the shard's tail (the elements the host steps) lives in host memory
   (``place_on_host``): each reduced chunk is copied down as it is delivered, on a side stream,
@@ -20,7 +21,9 @@ Rules both follow:
 * Every gradient is multiplied by the reduction's pre factor (``reductions.scale_factors``) as
   it is written. The first gradient written to a place in a round is copied (multiplied into
   place), later ones are added, so nothing is zeroed up front; places that got no gradient
-  (unused parameters, padding) are zeroed just before the bucket is launched.
+  (unused parameters, padding) are zeroed just before the bucket is launched. So with what
+  keeps the cycle's sum: its first round is copied there, and places no round reached are
+  zeroed when something first reads them (``settle``).
 * The first round of a bucket in an accumulation cycle may reduce in place; any later round (a
   second backward before ``step()``, a late gradient) reduces only the new gradients in a fresh
   zeroed buffer and *adds* the result.
@@ -182,6 +185,7 @@ class ShardGradients:
         self._stream = None  # the side stream of the copies down (CUDA)
         self._later = None  # later rounds' additions into the host part (HostAdditions)
         self._host_written: set[int] = set()  # buckets whose host part holds this cycle's sum
+        self._written: set[int] = set()  # buckets whose device part holds this cycle's sum
         self._allocated = 0
         self.max_buffers = max_buffers  # beyond this, the reducer finishes a bucket first
         self._unwritten: dict[int, set[int]] = {}  # per bucket holding a buffer
@@ -241,7 +245,12 @@ class ShardGradients:
         offset = self._shard_offsets[bucket.index]
         on_device = min(max(self.host_from - offset, 0), piece.numel())
         if on_device:
-            self.shard[offset : offset + on_device].add_(piece[:on_device])
+            target = self.shard[offset : offset + on_device]
+            if bucket.index in self._written:
+                target.add_(piece[:on_device])
+            else:  # the cycle's first round: copied, so the shard is never zeroed up front
+                target.copy_(piece[:on_device])
+                self._written.add(bucket.index)
         buffer = bucket.buffer._base if bucket.buffer._base is not None else bucket.buffer
         copied = None
         if on_device < piece.numel():
@@ -303,25 +312,25 @@ class ShardGradients:
         return None  # a parameter's full gradient exists nowhere on this rank
 
     def begin_cycle(self) -> None:
-        self.shard.zero_()
         self._wait_copies()  # nothing of the last cycle lands in this one
-        self._host_written.clear()  # the host part is overwritten by each bucket's first round
+        # Both parts are overwritten by each bucket's first round.
+        self._written.clear()
+        self._host_written.clear()
 
     def settle(self) -> None:
-        """Before the optimizer reads: the copies down have arrived, and host elements no
-        reduction reached this cycle hold zero (the device part only ever receives delivered,
-        complete reductions)."""
-        if self.host_shard is None:
-            return
+        """Before anything reads the gradients (the optimizer, ``safe_get_full_grad``): the
+        copies down have arrived, and elements no reduction reached this cycle hold zero."""
         self._wait_copies()
         for bucket in self.layout.buckets:
             offset = self._shard_offsets[bucket.index]
-            if bucket.index not in self._host_written and offset + bucket.chunk_numel > (
-                self.host_from
-            ):
+            end = offset + bucket.chunk_numel
+            if bucket.index not in self._written and offset < self.host_from:
+                self.shard[offset : min(end, self.host_from)].zero_()
+                self._written.add(bucket.index)  # a later delivery adds onto the zeros
+            if bucket.index not in self._host_written and end > self.host_from:
                 lo = max(offset - self.host_from, 0)
-                self.host_shard[lo : offset + bucket.chunk_numel - self.host_from].zero_()
-                self._host_written.add(bucket.index)  # a later delivery adds onto the zeros
+                self.host_shard[lo : end - self.host_from].zero_()
+                self._host_written.add(bucket.index)
 
     def nbytes(self) -> int:
         """Gradient memory where training runs (the host part is ``host_bytes``)."""

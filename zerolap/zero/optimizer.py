@@ -25,7 +25,12 @@ Phases of ``step()``:
 3. global norm: squares summed over owned runs, all-reduced when the optimizer is sharded,
    and under tensor parallelism over the tensor group too (pieces of split parameters count
    on every tensor rank, replicated parameters on tensor rank 0 only);
-4. unscale and clip in one divide, then the inner optimizer steps, tier by tier;
+4. unscale and clip in one divide, then the inner optimizer steps, tier by tier.
+   On an accelerator, with every run resident there, phases 2-4 leave their results on the
+   device instead: the norm is a device tensor (read when asked for), clipping multiplies by a
+   device factor, and a non-finite step is skipped by the fused optimizer itself (its
+   ``found_inf``); ``confirm()`` reads whether it applied once the step's launches are queued,
+   so the optimizer's kernels follow backward's with no host sync between them;
 5. mixed precision: the master runs are copied back into the 16-bit parameters;
 6. sharded: the parameter store brings the updated chunks to every rank that needs them
    (stages 1-2: every bucket all-gathered, by default left in flight for the next forward to
@@ -305,7 +310,10 @@ class ZeroOptimizer:
         # Stand-ins for a rank whose chunks hold only padding (tiny model, many ranks).
         self._true = torch.tensor(True, device=device)
         self._zero = torch.zeros((), dtype=torch.float64, device=device)
-        self.last_norm: float | None = None
+        self._norm: float | torch.Tensor | None = None  # the last step's (see last_norm)
+        # On an accelerator the step's decisions stay on the device where they can (update).
+        self.on_accelerator = device.type != "cpu"
+        self._skip: torch.Tensor | None = None  # 1.0 when the device skipped the step
         self.last_applied = True
         self.parked = ParkedStates()  # what offload_states() took off the device
         self._said_in_host = False  # offload_states on a CPU-only host says so once
@@ -411,27 +419,31 @@ class ZeroOptimizer:
             return grads
         return [g if i in moved else g.float() for i, g in enumerate(grads)]
 
-    def _agree(self, value: torch.Tensor, op: str) -> float:
-        """``value`` combined over the ranks that share the optimizer and, under tensor
-        parallelism, those holding the other pieces of the model (one host sync)."""
+    def _combined(self, value: torch.Tensor, op: str) -> torch.Tensor:
+        """``value`` combined in place over the ranks that share the optimizer and, under
+        tensor parallelism, those holding the other pieces of the model (left on its device)."""
         if self.sharded:
             dist.all_reduce(value, op=op, group=self.group)
         if self.model_group is not None:
             dist.all_reduce(value, op=op, group=self.model_group)
-        return value.item()
+        return value
+
+    def _agree(self, value: torch.Tensor, op: str) -> float:
+        """``_combined``, read on the host (one host sync)."""
+        return self._combined(value, op).item()
 
     def step(self) -> bool:
         """``update()`` then, when it applied, ``publish()``; False when fp16 overflow skipped
         the step."""
-        applied = self.update()
-        if applied:
+        if self.update():
             self.publish()
-        return applied
+        return self.confirm()
 
     def update(self) -> bool:
         """Phases 1-5 (compute only): the owned elements take their step (with ``defer_step``
         the resident ones; the swapped ones step in ``publish()``'s gathers)."""
         self.finish_step()
+        self._skip = None
         self.grads.settle()  # places no reduction reached are zero; copies down have arrived
         self.store.settle()  # no chunk may change while the last step's gathers send it
         grads = self._owned_grads()
@@ -439,28 +451,50 @@ class ZeroOptimizer:
         if self.loss_scaler.dynamic and not self._all_finite(grads):
             self.loss_scaler.update_scale(True)
             self._forget_host_grads()
-            self.last_norm, self.last_applied = math.inf, False
+            self._norm, self.last_applied = math.inf, False
             self.overflow = True
             return False
         self.overflow = False
-        norm = self._global_norm(grads, scale) if self.compute_norm else None
-        if self.check_finite and not self.loss_scaler.dynamic:
+        # On an accelerator the norm, the clipping and the skip of a non-finite step stay on
+        # the device where they can (``_stays_on_device``): the step's kernels are then
+        # launched while backward's still run, where a read of the norm first would have the
+        # device drain and wait for the host's launches. Whether the step applied is read
+        # after its launches (``confirm``). On a CPU there is nothing to overlap: the host
+        # decides, with fp32 sums of squares (a float64 pass there costs 7x).
+        decides = self.check_finite and not self.loss_scaler.dynamic  # skip when non-finite
+        on_device = self.on_accelerator and self._stays_on_device(decides)
+        norm: float | torch.Tensor | None = None
+        if self.compute_norm:
+            norm = self._device_norm(grads, scale) if on_device else self._global_norm(grads, scale)
+        if decides and on_device:
+            bad = ~torch.isfinite(norm) if norm is not None else None
+            if bad is None:  # no norm: one one-element all-reduce of the finite flags
+                bad = self._combined((~self._finite(grads)).float().reshape(1), "max")[0] > 0
+            self._skip = bad.float()  # torch's fused step skips itself by it (0-dim)
+        elif decides:
             # The norm, agreed over the ranks, is inf or nan exactly when some gradient is.
             finite = math.isfinite(norm) if norm is not None else self._all_finite(grads)
             if not finite:
                 self._forget_host_grads()
-                self.last_norm, self.last_applied = norm, False
+                self._norm, self.last_applied = norm, False
                 self.overflow = True
                 return False
-        divisor = scale
-        if self.clip > 0 and norm is not None and norm + 1e-6 > self.clip:
+        divisor, factor = scale, None
+        if self.clip > 0 and isinstance(norm, torch.Tensor):
+            # torch's clip_grad_norm_ without reading the norm: a factor of at most 1.
+            factor = (self.clip / (norm + 1e-6)).clamp(max=1.0) / scale
+        elif self.clip > 0 and norm is not None and norm + 1e-6 > self.clip:
             divisor *= (norm + 1e-6) / self.clip
         if self.host_grads is not None:
             for i, host_grad in self.host_grads.take().items():
                 grads[i] = host_grad
-        if divisor != 1.0:
+        if divisor != 1.0 or factor is not None:
             for on_device in _by_device(grads).values():
-                torch._foreach_div_([grads[i] for i in on_device], divisor)
+                some = [grads[i] for i in on_device]
+                if factor is None:
+                    torch._foreach_div_(some, divisor)
+                else:  # to the host for offloaded gradients: a sync their host step needs
+                    torch._foreach_mul_(some, factor.to(some[0].device, torch.float32))
         failure = None
         # The twin of the client optimizer the swapped sub-groups step with, taken before any
         # call: its entries are this step's, whatever a scheduler sets before they step. An
@@ -470,6 +504,8 @@ class ZeroOptimizer:
         behind = self.defer_step and not steps_apart(self.inner)
         twin = twin_of(self.inner) if behind else None
         entries = GroupEntries(self.inner)
+        if self._skip is not None:
+            self.inner.found_inf = self._skip  # read by torch's fused step (as GradScaler sets)
         try:
             for tier in self.tiers:
                 if tier is not self._swapped or twin is None:
@@ -478,6 +514,9 @@ class ZeroOptimizer:
             if not self._swap_agreed:
                 raise
             failure = error
+        finally:
+            if self._skip is not None:
+                del self.inner.found_inf
         if self.defer_step:
             steps = None
             if twin is not None and self._swapped is not None:
@@ -496,8 +535,30 @@ class ZeroOptimizer:
         elif self._swap_agreed:
             self._agree_swap_step(failure)
         self.loss_scaler.update_scale(False)
-        self.last_norm, self.last_applied = norm, True
+        self._norm, self.last_applied = norm, True
         return True
+
+    def _stays_on_device(self, decides: bool) -> bool:
+        """Whether the norm can stay on the accelerator: every run's gradient is there and
+        steps there (nothing offloaded to the host or to disk). When the step ``decides`` a
+        skip, also whether the device can take that decision: one call of a torch optimizer
+        whose step skips itself by a ``found_inf`` flag (the fused ones, as
+        ``torch.amp.GradScaler`` uses them), and no step behind ``publish``."""
+        resident = len(self.tiers) == 1 and self.host_grads is None and not self._swap_agreed
+        if not decides:
+            return resident
+        skips_itself = getattr(self.inner, "_step_supports_amp_scaling", False)
+        return resident and skips_itself and not self.defer_step
+
+    def confirm(self) -> bool:
+        """Whether the last step applied. A skip the device decided is read here (one host
+        sync), once the step's launches, and ``publish``'s, are behind: a skipped step left
+        the master and the optimizer's state as they were, and ``publish`` then sent the
+        parameters unchanged."""
+        skip, self._skip = self._skip, None
+        if skip is not None and skip.item():
+            self.last_applied, self.overflow = False, True
+        return self.last_applied
 
     def refuse_if_failed(self) -> None:
         """Raise the swap failure the ranks agreed on, if any: every later backward and step
@@ -574,6 +635,20 @@ class ZeroOptimizer:
                 # refills it), nor down into host memory (the host reads it next).
                 later = target.device.type != "cpu" and i not in self._taken
                 target.copy_(values, non_blocking=later)
+
+    @property
+    def last_norm(self) -> float | None:
+        """The last step's global gradient norm (None without ``compute_norm``), read back
+        from the device on first use when the step left it there."""
+        if isinstance(self._norm, torch.Tensor):
+            self._norm = self._norm.item()
+        return self._norm
+
+    def _device_norm(self, grads: list[torch.Tensor], scale: float) -> torch.Tensor:
+        """``_global_norm`` as a 0-dim float64 tensor on the device, with no host sync: the
+        squares are summed in float64 from the start (on an accelerator torch's fused norm
+        accumulates in it at fp32's memory traffic), so no fp32 overflow needs a retry."""
+        return self._combined(self._squares(grads, torch.float64), "sum").sqrt()[0] / scale
 
     def _global_norm(self, grads: list[torch.Tensor], scale: float) -> float:
         """One fused pass over the runs; squares summed in float64 across runs and ranks. A

@@ -1,0 +1,144 @@
+"""The step as it runs on an accelerator: the global norm, clipping and the skip of a
+non-finite step stay on the device, so nothing is read back to the host until the step's and
+``publish``'s launches are behind (``ZeroOptimizer.confirm``), and that one read decides what
+the host then does (the skip count, the schedule, the warning).
+
+These tests run that path on CPU, where it is not taken by itself (nothing to overlap there,
+and a float64 norm costs a CPU 7x fp32's), by setting the optimizer's ``on_accelerator``; the
+GPU run of ``tests/cuda`` takes it as users do. Against the host's path (CPU's) every step
+must apply or skip alike, on every rank, with the same parameters to fp32 rounding (the norm
+is summed in float64 instead of fp32, and clipping multiplies where the host divides)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zerolap
+import zerolap.comm as dist
+from tests.zero.models import global_batch, loss_fn, make_model
+from zerolap.zero import GatheredParameters
+
+MICRO = 2
+READS = ("item", "__bool__", "__float__", "__int__", "tolist")  # what reads a tensor's value
+
+
+def _params(engine) -> list[torch.Tensor]:
+    params = list(engine.module.parameters())
+    with GatheredParameters(params):
+        return [p.detach().float().clone() for p in params]
+
+
+class _Reads:
+    """Counts the host reads of tensor values (on a GPU, each a sync) while it is on."""
+
+    def __init__(self) -> None:
+        self.count, self.on = 0, False
+        self._orig = {name: getattr(torch.Tensor, name) for name in READS}
+        for name, orig in self._orig.items():
+            setattr(torch.Tensor, name, self._counting(orig))
+
+    def _counting(self, orig):
+        def read(tensor, *args, **kwargs):
+            self.count += self.on
+            return orig(tensor, *args, **kwargs)
+
+        return read
+
+    def restore(self) -> None:
+        for name, orig in self._orig.items():
+            setattr(torch.Tensor, name, orig)
+
+
+def train(stage: int, on_device: bool, poisoned: int | None, scale: float = 1.0) -> dict:
+    """Four steps with clipping at 1.0 and a warm-up schedule; at step ``poisoned`` rank 1's
+    loss is NaN. Returns per step: the reads before ``confirm`` and from it on (a skipped
+    step's warning reads more), whether it applied, whether the parameters changed; then the
+    skips, the learning rate, the norm and the parameters."""
+    engine, *_ = zerolap.initialize(
+        model=make_model(),
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.05, "weight_decay": 0.01}},
+            "scheduler": {
+                "type": "WarmupLR",
+                "params": {"warmup_min_lr": 0.01, "warmup_max_lr": 0.05, "warmup_num_steps": 10},
+            },
+            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        },
+    )
+    engine.optimizer.on_accelerator = on_device
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reads = _Reads()
+    confirm = engine.optimizer.confirm
+    seen: list[int] = []
+
+    def counted_confirm():
+        seen.append(reads.count)
+        return confirm()
+
+    engine.optimizer.confirm = counted_confirm
+    steps = []
+    try:
+        for step in range(4):
+            tokens, targets = global_batch(step, MICRO * world)
+            mine = slice(rank * MICRO, (rank + 1) * MICRO)
+            before = _params(engine)
+            loss = loss_fn(engine(tokens[mine]), targets[mine]) * scale
+            if step == poisoned and rank == 1:
+                loss = loss * float("nan")
+            engine.backward(loss)
+            seen.clear()
+            reads.count, reads.on = 0, True
+            engine.step()
+            reads.on = False
+            changed = any(
+                not torch.equal(a, b) for a, b in zip(_params(engine), before, strict=True)
+            )
+            steps.append((seen[0], reads.count - seen[0], engine.was_step_applied(), changed))
+    finally:
+        reads.restore()
+    result = {
+        "steps": steps,
+        "skipped": engine.skipped_steps,
+        "lr": engine.get_lr()[0],
+        "norm": engine.get_global_grad_norm(),
+        "params": _params(engine),
+    }
+    engine.destroy()
+    return result
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_the_device_decides_the_skip_and_the_host_reads_it_once_after_the_launches(ranks, stage):
+    on_device = ranks(2).run(train, stage, True, 2, timeout=120)
+    on_host = ranks(2).run(train, stage, False, 2, timeout=120)
+    for rank, (dev, host) in enumerate(zip(on_device, on_host, strict=True)):
+        # Nothing read before confirm() at any step (the skipped one included): the norm,
+        # the clip factor and the skip flag stayed tensors; an applied step read the flag
+        # and nothing else.
+        assert [s[0] for s in dev["steps"]] == [0] * 4, (rank, dev["steps"])
+        assert [s[1] for s in dev["steps"] if s[2]] == [1] * 3, (rank, dev["steps"])
+        assert [s[2:] for s in dev["steps"]] == [(True, True), (True, True), (False, False),
+                                                 (True, True)], (rank, dev["steps"])  # fmt: skip
+        assert [s[2:] for s in host["steps"]] == [s[2:] for s in dev["steps"]]
+        assert dev["skipped"] == host["skipped"] == 1
+        assert dev["lr"] == host["lr"]  # the schedule did not step on the skipped step
+        assert dev["norm"] == pytest.approx(host["norm"], rel=1e-5)
+        for a, b in zip(dev["params"], host["params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_huge_but_finite_gradients_step_on_the_device_path(ranks):
+    """Gradients around 1e20: their fp32 squares overflow; summed in float64 they do not, so
+    the step applies, clipped, with no retry and no read before confirm()."""
+    on_device = ranks(2).run(train, 2, True, None, 1e20, timeout=120)
+    on_host = ranks(2).run(train, 2, False, None, 1e20, timeout=120)
+    for dev, host in zip(on_device, on_host, strict=True):
+        assert [s[:3] for s in dev["steps"]] == [(0, 1, True)] * 4
+        assert dev["skipped"] == host["skipped"] == 0
+        assert dev["norm"] == pytest.approx(host["norm"], rel=1e-5)
+        assert dev["norm"] > 1e19
+        for a, b in zip(dev["params"], host["params"], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
