@@ -2,7 +2,8 @@
 what offload to host memory costs and saves (issue 14's and issue 11's GPU figures).
 
 Run from the repo root: ``python benchmarks/gpu_bench.py [--model gpt2|42m|small] [--batch 8]
-[--gas 1] [--steps 20] [--warmup 5] [--rounds 2] [--systems NAME...] [--budget-s S]``; on a
+[--gas 1] [--steps 20] [--warmup 5] [--rounds 2] [--systems NAME...] [--budget-s S]
+[--count-syncs] [--profile] [--phases]``; on a
 lent GPU, ``benchmarks/gpu_check.sh`` runs it after the CUDA tests.
 
 Every row trains the same GPT (``zerolap/demo/gpt.py``; ``gpt2`` is GPT-2 small's shape: 12
@@ -32,7 +33,9 @@ Targets (issue 14): stages 0-2 at most 1.03x plain, stage 3 at most 1.10x.
 ``--model thin`` keeps GPT-2 small's twelve blocks and layers at a width whose arithmetic is
 small: on a CPU its step time over plain's is mostly the framework's host work per step, what a
 GPU waits for when its kernels are shorter than the host's bookkeeping (stage 3's per-layer
-gathers, reductions and hooks). ``--profile`` says where the time went.
+gathers, reductions and hooks). ``--profile`` says where the time went (and where the device
+sat idle, by the phase of the step whose host work ended the wait); ``--phases`` times each
+phase on the host and on the device with CUDA events, light enough to run beside the timings.
 
 Without an accelerator it runs on CPU (gloo) and says so: a check that the script works, whose
 figures say nothing about GPUs (offload to host memory then moves nothing).
@@ -286,7 +289,9 @@ def _measure(
                 profilers = _start_profiling(profiling, torch, cuda)
             start = time.perf_counter()
             phase = torch.profiler.record_function if profilers else _unmarked
-            timer = _PhaseTimer(torch) if phases and cuda and step >= warmup else None
+            # (Not with --profile, which marks the phases for its own account of them.)
+            timed_step = phases and cuda and step >= warmup and not profilers
+            timer = _PhaseTimer(torch) if timed_step else None
             losses.append(trainer.train_step(micro_batches, timer or phase))
             sync()
             if step >= warmup:
@@ -363,11 +368,14 @@ def _device_idle(events, steps: int, largest: int = 12) -> str:
     phases = sorted((e.start_ns(), e.end_ns(), e.name()) for e in cpu if e.name() in PHASES)
     launcher = {e.correlation_id(): e for e in cpu}
     work = sorted(
-        (e.start_ns(), e.end_ns(), e.name(), launcher.get(e.linked_correlation_id()))
-        for e in events
-        if e.device_type().name != "CPU"
-        and e.name() not in PHASES  # a phase's span on the device's timeline, not work
-        and e.linked_correlation_id() in launcher
+        (
+            (e.start_ns(), e.end_ns(), e.name(), launcher.get(e.linked_correlation_id()))
+            for e in events
+            if e.device_type().name != "CPU"
+            and e.name() not in PHASES  # a phase's span on the device's timeline, not work
+            and e.linked_correlation_id() in launcher
+        ),
+        key=lambda w: w[:2],
     )
     if not work or not phases:
         return "device idle: no device work recorded"

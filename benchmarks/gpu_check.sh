@@ -9,7 +9,8 @@
 # Passes, as named in the arguments (default: tests zerolap gas):
 #   tests    the CUDA paths' values (tests/cuda: ZeRO stages and offload on NCCL, tensor
 #            parallelism's backward overlap on CUDA streams, a checkpoint from the GPU)
-#   zerolap  plain PyTorch against zerolap at every stage and with offload (issues 14 and 11)
+#   zerolap  plain PyTorch against zerolap at every stage and with offload (issues 14 and 11),
+#            with each phase's host and device time (--phases)
 #   gas      the offload rows with 4 micro-batches a step (accumulation's host additions)
 #   ds       plain PyTorch against DeepSpeed 0.19.8's rows (their first rows JIT-build
 #            FusedAdam and CPUAdam, a minute or more each)
@@ -62,7 +63,8 @@ for pass in $PASSES; do
         timeout 300 python3 -m pytest -v -rA -p no:cacheprovider --timeout 100 \
             --junitxml "$OUT/cuda_tests.xml" tests/cuda 2>&1 | tee "$OUT/cuda_tests.log" ;;
     zerolap)  # leaves 60 s for the accumulation pass
-        bench gpu_bench.log 60 --rounds 2 --systems plain z0 z1 z2 z3 z3-blocks z2-cpu z3-cpu ;;
+        bench gpu_bench.log 60 --rounds 2 --phases \
+            --systems plain z0 z1 z2 z3 z3-blocks z2-cpu z3-cpu ;;
     gas)
         bench gpu_bench_gas4.log 0 --gas 4 --steps 8 --warmup 2 --rounds 1 \
             --systems plain z2 z2-cpu ;;

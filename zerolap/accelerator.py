@@ -20,7 +20,7 @@ import os
 import psutil
 import torch
 
-__all__ = ["DeviceAccelerator", "get_accelerator", "set_accelerator"]
+__all__ = ["DeviceAccelerator", "get_accelerator", "runs_apart", "set_accelerator"]
 
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
 
@@ -278,3 +278,13 @@ def set_accelerator(accelerator: DeviceAccelerator) -> None:
     """Choose the accelerator explicitly (DeepSpeed's ``set_accelerator``)."""
     global _chosen
     _chosen = accelerator
+
+
+def runs_apart(device: torch.device) -> bool:
+    """Whether work on ``device`` runs apart from the host that launches it (a GPU: the host
+    queues kernels and goes on). There a step is fastest when the host never waits for the
+    device mid-step and does little per parameter, even at the cost of an extra pass over the
+    gradients, which such a device makes in a fraction of the host's time; on a CPU the host
+    does every pass itself, and such trades lose (``ZeroOptimizer`` and ``GradReducer``'s
+    ``in_place`` make them only where this is true)."""
+    return device.type != "cpu"

@@ -40,3 +40,20 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(
         logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)
     )
+
+
+def rank_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's ``micro`` samples of step ``step``'s global batch (every rank's together)."""
+    import zerolap.comm as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens, targets = global_batch(step, micro * world)
+    mine = slice(rank * micro, (rank + 1) * micro)
+    return tokens[mine], targets[mine]
+
+
+def assert_equal_on_every_rank(a: list, b: list) -> None:
+    """Two runs' per-rank lists of tensors are bitwise equal, rank by rank."""
+    for mine, theirs in zip(a, b, strict=True):
+        for x, y in zip(mine, theirs, strict=True):
+            assert torch.equal(x, y)

@@ -16,7 +16,8 @@ import torch
 
 import zerolap
 import zerolap.comm as dist
-from tests.zero.models import global_batch, loss_fn, make_model
+from tests.logs import captured_logs
+from tests.zero.models import assert_equal_on_every_rank, loss_fn, make_model, rank_batch
 from zerolap.zero import GatheredParameters
 
 MICRO = 2
@@ -69,7 +70,6 @@ def train(stage: int, on_device: bool, poisoned: int | None, scale: float = 1.0)
         },
     )
     engine.optimizer.on_accelerator = on_device
-    rank, world = dist.get_rank(), dist.get_world_size()
     reads = _Reads()
     confirm = engine.optimizer.confirm
     seen: list[int] = []
@@ -82,11 +82,10 @@ def train(stage: int, on_device: bool, poisoned: int | None, scale: float = 1.0)
     steps = []
     try:
         for step in range(4):
-            tokens, targets = global_batch(step, MICRO * world)
-            mine = slice(rank * MICRO, (rank + 1) * MICRO)
+            tokens, targets = rank_batch(step, MICRO)
             before = _params(engine)
-            loss = loss_fn(engine(tokens[mine]), targets[mine]) * scale
-            if step == poisoned and rank == 1:
+            loss = loss_fn(engine(tokens), targets) * scale
+            if step == poisoned and dist.get_rank() == 1:
                 loss = loss * float("nan")
             engine.backward(loss)
             seen.clear()
@@ -142,3 +141,69 @@ def test_huge_but_finite_gradients_step_on_the_device_path(ranks):
         assert dev["norm"] > 1e19
         for a, b in zip(dev["params"], host["params"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def nan_gradient_said(on_device: bool) -> list[str]:
+    """fp32 stage 2 (its gradients are views of the shard the optimizer reads), clipping on:
+    rank 1 backpropagates a finite loss whose gradient for the first parameter is NaN. The
+    warning must name the rank whose shard holds that parameter's reduced gradient (rank 1:
+    the layout runs in backward's order, so the first parameter is in the last chunk), on the
+    device path as on the host's, where clipping by a NaN factor would have made every
+    rank's shard NaN."""
+    engine, *_ = zerolap.initialize(
+        model=make_model(),
+        config={
+            "train_micro_batch_size_per_gpu": MICRO,
+            "gradient_clipping": 1.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
+            "zero_optimization": {"stage": 2},
+        },
+    )
+    engine.optimizer.on_accelerator = on_device
+    tokens, targets = rank_batch(0, MICRO)
+    loss = loss_fn(engine(tokens), targets)
+    if dist.get_rank() == 1:  # d/dp of 0 * sqrt(0 * p) is 0 * inf: NaN, the loss staying finite
+        first = next(engine.module.parameters())
+        loss = loss + 0.0 * torch.sqrt(0.0 * first.sum())
+    with captured_logs() as logs:
+        engine.backward(loss)
+        engine.step()
+    skipped = engine.skipped_steps
+    engine.destroy()
+    return [skipped, *[m for m in logs if "inf or nan" in m]]
+
+
+def test_a_skipped_step_still_says_where_the_gradients_went_bad(ranks):
+    said = "the gradients reduced into rank 1's shard were not finite"
+    for on_device in (False, True):
+        results = ranks(2).run(nan_gradient_said, on_device, timeout=120)
+        assert results[0][0] == results[1][0] == 1
+        assert len(results[0]) == 2 and said in results[0][1], (on_device, results[0])
+
+
+def sgd_after_a_skipped_first_step(on_device: bool) -> list[torch.Tensor]:
+    """torch's fused SGD with momentum, the client's optimizer; rank 1's loss NaN at the first
+    step. Its fused step, told to skip, would still keep first momentum buffers it never wrote:
+    the device path is not taken for it (the host skips), and the next step is clean."""
+    model = make_model()
+    engine, *_ = zerolap.initialize(
+        model=model,
+        optimizer=torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True),
+        config={"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": {"stage": 1}},
+    )
+    engine.optimizer.on_accelerator = on_device
+    for step in range(2):
+        tokens, targets = rank_batch(step, MICRO)
+        loss = loss_fn(engine(tokens), targets)
+        engine.backward(loss * float("nan") if step == 0 and dist.get_rank() == 1 else loss)
+        engine.step()
+    params = _params(engine)
+    engine.destroy()
+    return params
+
+
+def test_only_adam_skips_on_the_device(ranks):
+    on_device = ranks(2).run(sgd_after_a_skipped_first_step, True, timeout=120)
+    on_host = ranks(2).run(sgd_after_a_skipped_first_step, False, timeout=120)
+    assert all(torch.isfinite(p).all() for params in on_device for p in params)
+    assert_equal_on_every_rank(on_device, on_host)

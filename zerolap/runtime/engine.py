@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+import zerolap.accelerator as accelerator
 import zerolap.comm as dist
 from zerolap import checkpointing
 from zerolap.accelerator import get_accelerator
@@ -614,6 +615,27 @@ class ZerolapEngine(torch.nn.Module):
             self.grads,
             reduction,
             overlap=self._config.zero_optimization.overlap_comm,
+            in_place=self._accumulates_in_place(pre),
+        )
+
+    def _accumulates_in_place(self, pre: float) -> bool:
+        """Whether autograd accumulates the gradients in the flat buffer itself, with no hook
+        per parameter (``GradReducer``'s ``in_place``): on an accelerator, at stages 0-1
+        without ``overlap_comm`` (nothing is launched during backward), with every
+        gradient stored as it comes (no pre factor; the buffer in the parameters' dtype),
+        nothing offloaded, outside a pipeline, and with unused parameters allowed (no hook
+        sees which got no gradient)."""
+        zero = self._config.zero_optimization
+        return (
+            accelerator.runs_apart(self.param_store.device)
+            and not self.plan.shard_gradients
+            and not zero.overlap_comm
+            and pre == 1.0
+            and all(p.dtype == self.param_store.dtype for p in self.params)
+            and self.offload.host is None
+            and self.offload.optimizer is None
+            and self._bucket_kinds() is None
+            and zero.ignore_unused_parameters
         )
 
     def _build_optimizer(self, inner: torch.optim.Optimizer) -> ZeroOptimizer:
@@ -816,8 +838,6 @@ class ZerolapEngine(torch.nn.Module):
         if self._cycle_fresh:
             self.reducer.begin_cycle()
             self._cycle_fresh = False
-        for param in self.params:
-            param.grad = None  # the reducer's storage holds gradients, not autograd
         reduce = self.plan.reduce_every_micro_batch or (
             self.is_gradient_accumulation_boundary() and not self._no_sync
         )
@@ -906,9 +926,16 @@ class ZerolapEngine(torch.nn.Module):
         when the division rides on the copy into the buffer (fp32 gradients and
         communication: ``reductions.scale_factors``), where DDP's ``no_sync`` shows the bare sum.
         After a reduce-scatter only the own chunks hold the average, so ``param.grad`` stays
-        None, as in DeepSpeed."""
+        None, as in DeepSpeed. With in-place gradients (``GradReducer.in_place``) each
+        ``param.grad`` is its place in the buffer already; after a reduce-scatter it is
+        cleared, as the hooks' path leaves it."""
         if self.plan.reduce_scatter:
+            if self.reducer.in_place:  # their places hold this rank's own sums elsewhere
+                for param in self.params:
+                    param.grad = None
             return
+        if self.reducer.in_place and not self.reducer.later_round:
+            return  # each param.grad is its place already
         for slot, param in enumerate(self.params):
             grad = self.grads.param_grad(slot)
             if grad is not None:

@@ -78,15 +78,20 @@ class FullGradients:
     def has_free_buffer(self) -> bool:
         return True  # reduces in place
 
+    def _later_buffer(self, bucket: Bucket) -> torch.Tensor:
+        """A later round's own buffer for ``bucket``, zeroed when the round first needs it."""
+        if bucket.buffer is None:
+            bucket.buffer = torch.zeros(
+                bucket.layout.numel, dtype=self.comm_dtype, device=self.flat.device
+            )
+        return bucket.buffer
+
     def write(self, bucket: Bucket, slot: int, grad: torch.Tensor) -> None:
         start, end = _slot_range(self.layout, slot)
         if bucket.delivered:
-            if bucket.buffer is None:
-                bucket.buffer = torch.zeros(
-                    bucket.layout.numel, dtype=self.comm_dtype, device=self.flat.device
-                )
             offset = bucket.layout.start
-            _put(bucket.buffer[start - offset : end - offset], grad, self.pre, first=False)
+            place = self._later_buffer(bucket)[start - offset : end - offset]
+            _put(place, grad, self.pre, first=False)
         else:
             _put(self.flat[start:end], grad, self.pre, first=slot in self.unwritten)
             self.unwritten.discard(slot)
@@ -98,8 +103,8 @@ class FullGradients:
         self.unwritten.difference_update(slots)
 
     def buffer_for(self, bucket: Bucket) -> torch.Tensor:
-        if bucket.delivered:
-            return bucket.buffer
+        if bucket.delivered:  # zeros if no gradient reached it in this round: every rank
+            return self._later_buffer(bucket)  # reduces every bucket, whatever it got
         self.zero_unwritten(bucket.layout.slots)
         region = self.flat[bucket.layout.start : bucket.layout.end]
         bucket.buffer = region if region.dtype == self.comm_dtype else region.to(self.comm_dtype)
@@ -135,6 +140,12 @@ class FullGradients:
 
     def begin_cycle(self) -> None:
         self.unwritten = set(range(len(self.layout.slots)))
+
+    def start_from_zeros(self) -> None:
+        """The cycle's gradients accumulate in the buffer itself (``GradReducer``'s
+        ``in_place``): it starts from zeros, and no place is left to zero later."""
+        self.flat.zero_()
+        self.unwritten = set()
 
     def settle(self) -> None:
         """Before the optimizer reads: places no micro-batch wrote hold zero."""

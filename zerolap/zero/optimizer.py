@@ -28,7 +28,7 @@ Phases of ``step()``:
 4. unscale and clip in one divide, then the inner optimizer steps, tier by tier.
    On an accelerator, with every run resident there, phases 2-4 leave their results on the
    device instead: the norm is a device tensor (read when asked for), clipping multiplies by a
-   device factor, and a non-finite step is skipped by the fused optimizer itself (its
+   device factor, and a non-finite step is skipped by torch's fused Adam or AdamW itself (its
    ``found_inf``); ``confirm()`` reads whether it applied once the step's launches are queued,
    so the optimizer's kernels follow backward's with no host sync between them;
 5. mixed precision: the master runs are copied back into the 16-bit parameters;
@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
+import zerolap.accelerator as accelerator
 import zerolap.comm as dist
 import zerolap.offload as offload
 from zerolap.offload.states import (
@@ -68,6 +69,29 @@ __all__ = ["STEP_PIECE_NUMEL", "ZeroOptimizer"]
 
 STEP_PIECE_NUMEL = 1 << 18
 """The most elements a run stepped on the CPU holds (``zero.sub_groups``)."""
+
+
+class _Skip:
+    """A skip the device decided (``flag``: 1.0 to skip, 0-dim float32, what the fused step
+    reads), and its copy on its way to the host: on a GPU a pinned copy and an event recorded
+    right behind the flag, so that ``read`` waits for the flag and not for the optimizer's
+    kernels queued after it."""
+
+    def __init__(self, flag: torch.Tensor) -> None:
+        self.flag = flag
+        self._event = None
+        if flag.device.type == "cuda":
+            self._host = torch.empty((), dtype=flag.dtype, pin_memory=True)
+            self._host.copy_(flag, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record(torch.cuda.current_stream(flag.device))
+        else:
+            self._host = flag
+
+    def read(self) -> bool:
+        if self._event is not None:
+            self._event.synchronize()
+        return bool(self._host.item())
 
 
 def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[int]]:
@@ -312,8 +336,8 @@ class ZeroOptimizer:
         self._zero = torch.zeros((), dtype=torch.float64, device=device)
         self._norm: float | torch.Tensor | None = None  # the last step's (see last_norm)
         # On an accelerator the step's decisions stay on the device where they can (update).
-        self.on_accelerator = device.type != "cpu"
-        self._skip: torch.Tensor | None = None  # 1.0 when the device skipped the step
+        self.on_accelerator = accelerator.runs_apart(device)
+        self._skip: _Skip | None = None  # the device's decision, read by confirm()
         self.last_applied = True
         self.parked = ParkedStates()  # what offload_states() took off the device
         self._said_in_host = False  # offload_states on a CPU-only host says so once
@@ -470,7 +494,7 @@ class ZeroOptimizer:
             bad = ~torch.isfinite(norm) if norm is not None else None
             if bad is None:  # no norm: one one-element all-reduce of the finite flags
                 bad = self._combined((~self._finite(grads)).float().reshape(1), "max")[0] > 0
-            self._skip = bad.float()  # torch's fused step skips itself by it (0-dim)
+            self._skip = _Skip(bad.float())  # torch's fused step skips itself by it (0-dim)
         elif decides:
             # The norm, agreed over the ranks, is inf or nan exactly when some gradient is.
             finite = math.isfinite(norm) if norm is not None else self._all_finite(grads)
@@ -481,8 +505,13 @@ class ZeroOptimizer:
                 return False
         divisor, factor = scale, None
         if self.clip > 0 and isinstance(norm, torch.Tensor):
-            # torch's clip_grad_norm_ without reading the norm: a factor of at most 1.
-            factor = (self.clip / (norm + 1e-6)).clamp(max=1.0) / scale
+            # torch's clip_grad_norm_ without reading the norm: a factor of at most 1. A
+            # non-finite norm leaves the gradients as they are (the host path returns before
+            # clipping), so that each rank's own check later still tells where they came from.
+            factor = torch.where(
+                torch.isfinite(norm), (self.clip / (norm + 1e-6)).clamp(max=1.0), 1.0
+            )
+            factor = (factor / scale).float()
         elif self.clip > 0 and norm is not None and norm + 1e-6 > self.clip:
             divisor *= (norm + 1e-6) / self.clip
         if self.host_grads is not None:
@@ -493,8 +522,8 @@ class ZeroOptimizer:
                 some = [grads[i] for i in on_device]
                 if factor is None:
                     torch._foreach_div_(some, divisor)
-                else:  # to the host for offloaded gradients: a sync their host step needs
-                    torch._foreach_mul_(some, factor.to(some[0].device, torch.float32))
+                else:  # on the device path every gradient is where the factor is
+                    torch._foreach_mul_(some, factor)
         failure = None
         # The twin of the client optimizer the swapped sub-groups step with, taken before any
         # call: its entries are this step's, whatever a scheduler sets before they step. An
@@ -505,7 +534,7 @@ class ZeroOptimizer:
         twin = twin_of(self.inner) if behind else None
         entries = GroupEntries(self.inner)
         if self._skip is not None:
-            self.inner.found_inf = self._skip  # read by torch's fused step (as GradScaler sets)
+            self.inner.found_inf = self._skip.flag  # read by torch's fused step (as GradScaler)
         try:
             for tier in self.tiers:
                 if tier is not self._swapped or twin is None:
@@ -539,24 +568,29 @@ class ZeroOptimizer:
         return True
 
     def _stays_on_device(self, decides: bool) -> bool:
-        """Whether the norm can stay on the accelerator: every run's gradient is there and
-        steps there (nothing offloaded to the host or to disk). When the step ``decides`` a
-        skip, also whether the device can take that decision: one call of a torch optimizer
-        whose step skips itself by a ``found_inf`` flag (the fused ones, as
-        ``torch.amp.GradScaler`` uses them), and no step behind ``publish``."""
-        resident = len(self.tiers) == 1 and self.host_grads is None and not self._swap_agreed
+        """Whether the norm can stay on the accelerator: nothing is offloaded to the host or
+        to disk, so every run's gradient is there and steps there. When the step ``decides`` a
+        skip, also whether the device can take that decision: torch's fused Adam or AdamW,
+        whose step skips itself by a ``found_inf`` flag (as ``torch.amp.GradScaler`` uses it)
+        and leaves a skipped first step's state at its zeros (fused SGD with momentum does
+        not: its first buffers would keep whatever memory they got), with no step behind
+        ``publish``. Decided from the configuration alone, so every rank decides alike (a rank
+        whose chunks hold only padding has no offloaded runs of its own)."""
+        resident = self.host is None and not self._swap_agreed
         if not decides:
             return resident
-        skips_itself = getattr(self.inner, "_step_supports_amp_scaling", False)
+        skips_itself = isinstance(self.inner, (torch.optim.Adam, torch.optim.AdamW)) and getattr(
+            self.inner, "_step_supports_amp_scaling", False
+        )
         return resident and skips_itself and not self.defer_step
 
     def confirm(self) -> bool:
-        """Whether the last step applied. A skip the device decided is read here (one host
-        sync), once the step's launches, and ``publish``'s, are behind: a skipped step left
-        the master and the optimizer's state as they were, and ``publish`` then sent the
-        parameters unchanged."""
+        """Whether the last step applied. A skip the device decided is read here, once the
+        step's launches, and ``publish``'s, are queued: the host waits only for the flag, not
+        for the step's kernels. A skipped step left the master and the optimizer's state as
+        they were, and ``publish`` then sent the parameters unchanged."""
         skip, self._skip = self._skip, None
-        if skip is not None and skip.item():
+        if skip is not None and skip.read():
             self.last_applied, self.overflow = False, True
         return self.last_applied
 

@@ -20,6 +20,14 @@ Without ``overlap_comm`` phase 2 only records readiness and launches happen in p
 when a bucket needs a buffer and the storage's pool is used up (stage 2's few bucket buffers):
 then the ready buckets are reduced there, in order, and waited for, so that no reduction runs
 while autograd computes.
+
+``in_place`` (stages 0-1 without ``overlap_comm``, on an accelerator; the engine chooses it):
+there is no phase 2. Each parameter's ``.grad`` is its place in the storage's flat buffer
+before backward, zeroed at the cycle's start, so autograd's own accumulation adds every
+gradient there, and nothing of this module runs per parameter while autograd computes (on a
+GPU the host's per-parameter hooks are what backward waits on). The cost is a zeroing and an
+add where the hooks copied: a pass over the gradients that a GPU does in a fraction of what
+the hooks cost the host, and a CPU does not, so it is not chosen there.
 """
 
 from __future__ import annotations
@@ -54,12 +62,21 @@ class GradReducer:
         reduction,
         *,
         overlap: bool,
+        in_place: bool = False,
     ) -> None:
         self.params = params  # in layout slot order
         self.layout = layout
         self.storage = storage
         self.reduction = reduction
         self.overlap = overlap
+        if in_place and overlap:
+            raise ValueError("in-place gradients launch nothing during backward: no overlap")
+        self.in_place = in_place
+        self._places: list[torch.Tensor] = []  # in place: each parameter's .grad
+        self._places_of = None  # the buffer they are views of
+        # In place: this backward goes the hooks' way (begin_backward), and after it each
+        # param.grad is not its place in the buffer.
+        self.later_round = False
         self.buckets = [Bucket(b) for b in layout.buckets]
         self.reducing = False  # whether the current backward reduces
         self._order = self.buckets  # the buckets it reduces, in index order
@@ -73,6 +90,7 @@ class GradReducer:
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(slot))
             for slot, p in enumerate(params)
+            if not in_place
         ]
 
     def _make_hook(self, slot: int):
@@ -85,11 +103,27 @@ class GradReducer:
         """Start an accumulation cycle: gradients from zero."""
         self._got_grad = [False] * len(self.params)  # in this cycle, by slot
         self.storage.begin_cycle()
+        if self.in_place:
+            self.storage.start_from_zeros()
         for bucket in self.buckets:
             bucket.delivered = False
 
     def begin_backward(self, reduce: bool, scope: frozenset[int] | None = None) -> None:
-        """``scope``: the indices of the buckets a reducing backward reduces (None: all)."""
+        """``scope``: the indices of the buckets a reducing backward reduces (None: all).
+        Every parameter's ``.grad`` is set: to its place in the storage when gradients
+        accumulate in place, else to None (the hooks move each gradient to the storage)."""
+        # In place, a backward after one that reduced in this cycle (before step()) cannot
+        # add into the buffer, which holds the reduction now: its gradients go to autograd's
+        # own tensors and, after it, through the hooks' path (a later round, reduced apart
+        # and added).
+        self.later_round = self.in_place and any(b.delivered for b in self.buckets)
+        if self.in_place and not self.later_round:
+            places = self._grad_places()
+            for param, place in zip(self.params, places, strict=True):
+                param.grad = place
+        else:
+            for param in self.params:
+                param.grad = None
         self.reducing = reduce
         self._order = (
             self.buckets if scope is None else [b for b in self.buckets if b.index in scope]
@@ -164,10 +198,41 @@ class GradReducer:
         for listener in self.on_delivered:
             listener(bucket.index)
 
+    def _grad_places(self) -> list[torch.Tensor]:
+        """Each parameter's place in the flat buffer, shaped as the parameter (views of its
+        storage: ``offload_states`` moves that storage's contents, and the views follow)."""
+        if self._places_of is not self.storage.flat:
+            self._places = [
+                self.storage.param_grad(slot).view_as(param)
+                for slot, param in enumerate(self.params)
+            ]
+            self._places_of = self.storage.flat
+        return self._places
+
+    def _gather_in_place(self) -> None:
+        """In place, after autograd: a ``.grad`` that is no longer its place (a backward with
+        ``create_graph`` accumulates out of place, or the caller replaced it) holds the sum
+        so far; it is copied to its place, which it then is again. A later round's
+        gradients (``begin_backward``) take the hooks' path now, one parameter after another,
+        as a hook would have at each."""
+        if self.later_round:
+            for slot, param in enumerate(self.params):
+                if param.grad is not None:
+                    self._on_grad(slot, param)
+            return
+        for param, place in zip(self.params, self._places, strict=True):
+            grad = param.grad
+            if grad is not place:
+                if grad is not None:
+                    place.copy_(grad.detach())
+                param.grad = place
+
     def finish_backward(self) -> list[torch.nn.Parameter]:
         """Wait for every reduction of this backward; when it reduced (the end of an
         accumulation cycle), returns the parameters that got no gradient in the whole cycle
-        (they contributed zeros)."""
+        (they contributed zeros; in place, where no hook saw them, none is named)."""
+        if self.in_place:
+            self._gather_in_place()
         if not self.reducing:
             return []
         compute_end = time.perf_counter()
@@ -188,6 +253,8 @@ class GradReducer:
         for bucket in late:
             self._finish(bucket)
         self.last_timing = BackwardTiming(compute_end, time.perf_counter() - compute_end)
+        if self.in_place:
+            return []
         return [p for p, got in zip(self.params, self._got_grad, strict=True) if not got]
 
     def remove_hooks(self) -> None:
