@@ -9,8 +9,8 @@ Two kinds, chosen once per ZeRO stage:
 * ``ShardGradients`` (stages 2 and 3): only this rank's shard is kept. Each bucket collects its
   gradients in a buffer from a small pool, reduce-scattered every micro-batch; the owned chunk is
   copied into the shard (the cycle's first round) or added to it, and the buffer goes back to
-  the pool. Memory for the other ranks'
-  gradients is a few bucket buffers, whatever the model's size. With optimizer offload from an
+  the pool. Memory for the other ranks' gradients is a few bucket buffers, whatever the
+  model's size. With optimizer offload from an
   accelerator, the shard's tail (the elements the host steps) lives in host memory
   (``place_on_host``): each reduced chunk is copied down as it is delivered, on a side stream,
   so the device keeps no gradient of those elements past their reduction. A later round's chunk
@@ -21,9 +21,9 @@ Rules both follow:
 * Every gradient is multiplied by the reduction's pre factor (``reductions.scale_factors``) as
   it is written. The first gradient written to a place in a round is copied (multiplied into
   place), later ones are added, so nothing is zeroed up front; places that got no gradient
-  (unused parameters, padding) are zeroed just before the bucket is launched. So with what
-  keeps the cycle's sum: its first round is copied there, and places no round reached are
-  zeroed when something first reads them (``settle``).
+  (unused parameters, padding) are zeroed just before the bucket is launched. The same holds
+  where the cycle's sum is kept (stages 2-3's shard): a bucket's first round is copied there,
+  and places no round reached are zeroed when something first reads them (``settle``).
 * The first round of a bucket in an accumulation cycle may reduce in place; any later round (a
   second backward before ``step()``, a late gradient) reduces only the new gradients in a fresh
   zeroed buffer and *adds* the result.
