@@ -3,7 +3,7 @@ what offload to host memory costs and saves (issue 14's and issue 11's GPU figur
 
 Run from the repo root: ``python benchmarks/gpu_bench.py [--model gpt2|42m|small] [--batch 8]
 [--gas 1] [--steps 20] [--warmup 5] [--rounds 2] [--systems NAME...] [--budget-s S]
-[--count-syncs] [--profile] [--phases]``; on a
+[--count-syncs] [--profile] [--phases] [--cpu-as-gpu]``; on a
 lent GPU, ``benchmarks/gpu_check.sh`` runs it after the CUDA tests.
 
 Every row trains the same GPT (``zerolap/demo/gpt.py``; ``gpt2`` is GPT-2 small's shape: 12
@@ -30,12 +30,14 @@ against plain's; the accelerator's peak allocated memory; the process's peak RSS
 offloaded state went); and the largest difference of the losses from plain's over the steps.
 Targets (issue 14): stages 0-2 at most 1.03x plain, stage 3 at most 1.10x.
 
-``--model thin`` keeps GPT-2 small's twelve blocks and layers at a width whose arithmetic is
-small: on a CPU its step time over plain's is mostly the framework's host work per step, what a
-GPU waits for when its kernels are shorter than the host's bookkeeping (stage 3's per-layer
-gathers, reductions and hooks). ``--profile`` says where the time went (and where the device
-sat idle, by the phase of the step whose host work ended the wait); ``--phases`` times each
-phase on the host and on the device with CUDA events, light enough to run beside the timings.
+``--cpu-as-gpu`` has zerolap take its GPU paths on a CPU, so that the proxy below measures
+their host work. ``--model thin`` keeps GPT-2 small's twelve blocks and layers at a width whose
+arithmetic is small: on a CPU its step time over plain's is mostly the framework's host work
+per step, what a GPU waits for when its kernels are shorter than the host's bookkeeping (stage
+3's per-layer gathers, reductions and hooks). ``--profile`` says where the time went (and where
+the device sat idle, by the phase of the step whose host work ended the wait); ``--phases``
+times each phase on the host and on the device with CUDA events, light enough to run beside the
+timings.
 
 Without an accelerator it runs on CPU (gloo) and says so: a check that the script works, whose
 figures say nothing about GPUs (offload to host memory then moves nothing).
@@ -237,6 +239,7 @@ def _measure(
     count_syncs: bool,
     profile: bool = False,
     phases: bool = False,
+    cpu_as_gpu: bool = False,
 ) -> Row:
     import torch
 
@@ -259,6 +262,11 @@ def _measure(
                 raise RuntimeError("import deepspeed reaches zerolap's shim, not DeepSpeed")
         else:
             import zerolap as deepspeed
+
+            if cpu_as_gpu and not cuda:  # this row's process only
+                import zerolap.accelerator
+
+                zerolap.accelerator.runs_apart = lambda device: True
         config = _config(stage, offload, batch, gas, model_name)
         if blocks:
             config["zero_optimization"]["stage3_module_granularity_threshold"] = _block_size(model)
@@ -443,6 +451,13 @@ def _parse(argv):
         "the host and on the device (CUDA events) and print them after the table",
     )
     parser.add_argument(
+        "--cpu-as-gpu",
+        action="store_true",
+        help="without an accelerator, have zerolap take the paths it takes on a GPU (stages "
+        "0-1's in-place gradients, the step's decisions left on the device), to measure their "
+        "host work on the CPU proxy (--model thin)",
+    )
+    parser.add_argument(
         "--budget-s",
         type=float,
         default=None,
@@ -472,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 job = (
                     name, args.model, args.batch, args.gas, args.steps, args.warmup,
-                    args.count_syncs, args.profile, args.phases,
+                    args.count_syncs, args.profile, args.phases, args.cpu_as_gpu,
                 )  # fmt: skip
                 row = spawn(1, _row, job, timeout)[0]
                 runs[name].append(row)
@@ -495,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.model}, micro-batch {args.batch} x {args.gas}, bf16, world 1 on "
         f"{plain[0].device}; median of "
         f"{args.steps} steps x up to {args.rounds} rounds after {args.warmup} warm-up steps"
+        + ("; zerolap on its GPU paths (--cpu-as-gpu)" if args.cpu_as_gpu else "")
     )
     syncs = f" {'syncs/step':>10}" if args.count_syncs else ""
     print(f"{'system':10} {'step':>9} {'vs plain':>9} {'target':>7} {'peak device':>12} "

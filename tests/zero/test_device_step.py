@@ -4,10 +4,11 @@ non-finite step stay on the device, so nothing is read back to the host until th
 the host then does (the skip count, the schedule, the warning).
 
 These tests run that path on CPU, where it is not taken by itself (nothing to overlap there,
-and a float64 norm costs a CPU 7x fp32's), by setting the optimizer's ``on_accelerator``; the
-GPU run of ``tests/cuda`` takes it as users do. Against the host's path (CPU's) every step
-must apply or skip alike, on every rank, with the same parameters to fp32 rounding (the norm
-is summed in float64 instead of fp32, and clipping multiplies where the host divides)."""
+and a CPU float64 norm casts every gradient first), by setting the optimizer's
+``on_accelerator``; the GPU run of ``tests/cuda`` takes it as users do. Against the host's path
+(CPU's) every step must apply or skip alike, on every rank, with the same parameters to fp32
+rounding (the norm is summed in float64 instead of fp32, and clipping multiplies where the host
+divides)."""
 
 from __future__ import annotations
 

@@ -330,7 +330,11 @@ class ShardGradients:
 
     def settle(self) -> None:
         """Before anything reads the gradients (the optimizer, ``safe_get_full_grad``): the
-        copies down have arrived, and elements no reduction reached this cycle hold zero."""
+        copies down have arrived, and elements no reduction reached this cycle hold zero.
+        The accessors settle once per parameter: with no host part, once every bucket is
+        written this cycle (any full backward writes them all) it costs a comparison."""
+        if self.host_shard is None and len(self._written) == len(self.layout.buckets):
+            return
         self._wait_copies()
         for bucket in self.layout.buckets:
             offset = self._shard_offsets[bucket.index]

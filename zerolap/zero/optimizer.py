@@ -484,7 +484,7 @@ class ZeroOptimizer:
         # launched while backward's still run, where a read of the norm first would have the
         # device drain and wait for the host's launches. Whether the step applied is read
         # after its launches (``confirm``). On a CPU there is nothing to overlap: the host
-        # decides, with fp32 sums of squares (a float64 pass there costs 7x).
+        # decides, with fp32 sums of squares (a float64 norm there casts every gradient first).
         decides = self.check_finite and not self.loss_scaler.dynamic  # skip when non-finite
         on_device = self.on_accelerator and self._stays_on_device(decides)
         norm: float | torch.Tensor | None = None
