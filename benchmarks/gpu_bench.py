@@ -27,7 +27,10 @@ weight decay 0.01), each in a fresh process, the rows alternating order round by
 
 Per row: the median step time (forward, backward, step; the device synchronized around each),
 against plain's; the accelerator's peak allocated memory; the process's peak RSS (where the
-offloaded state went); and the largest difference of the losses from plain's over the steps.
+offloaded state went); the largest difference of the losses from plain's over the steps; and
+in how many of its rounds every final parameter's sum (in float64) equals plain's first
+round's: a bf16 loss hides differences smaller than its rounding, the sums do not, so a row
+whose arithmetic is plain's shows whether the GPU ran it deterministically.
 Targets (issue 14): stages 0-2 at most 1.03x plain, stage 3 at most 1.10x.
 
 ``--cpu-as-gpu`` has zerolap take its GPU paths on a CPU, so that the proxy below measures
@@ -96,6 +99,7 @@ class Row:
     syncs_per_step: float | None = None  # --count-syncs: implicit host syncs, measured steps
     profile: str | None = None  # --profile: where the measured steps' host and device time went
     phases: dict[str, tuple[float, float]] | None = None  # --phases: median host, device s
+    param_sums: list[float] | None = None  # each final parameter's sum, in float64
 
 
 def _config(stage: int, offload: bool, batch: int, gas: int, model: str = "gpt2") -> dict:
@@ -177,6 +181,9 @@ class _Plain:
             self.master, lr=LR, weight_decay=WEIGHT_DECAY, fused=True
         )
 
+    def param_sums(self) -> list[float]:
+        return [p.detach().sum(dtype=self.torch.float64).item() for p in self.params]
+
     def train_step(self, micro_batches, phase=_unmarked) -> float:
         losses = []
         for tokens, targets in micro_batches:
@@ -196,8 +203,16 @@ class _Plain:
 
 
 class _Engine:
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, gathered) -> None:
         self.engine = engine
+        self.gathered = gathered  # the framework's zero.GatheredParameters (stage 3's whole)
+
+    def param_sums(self) -> list[float]:
+        import torch
+
+        params = [p for p in self.engine.module.parameters() if p.requires_grad]
+        with self.gathered(params):
+            return [p.detach().sum(dtype=torch.float64).item() for p in params]
 
     def train_step(self, micro_batches, phase=_unmarked) -> float:
         losses = []
@@ -275,7 +290,7 @@ def _measure(
             model_parameters=model.parameters(),
             config=config,
         )
-        trainer = _Engine(engine)
+        trainer = _Engine(engine, deepspeed.zero.GatheredParameters)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     step_s, losses = [], []
@@ -312,6 +327,7 @@ def _measure(
     return Row(
         step_s=step_s,
         losses=losses,
+        param_sums=trainer.param_sums(),
         peak_device_bytes=torch.cuda.max_memory_allocated(device) if cuda else 0,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         device=torch.cuda.get_device_name(device) if cuda else "cpu (no accelerator)",
@@ -514,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     syncs = f" {'syncs/step':>10}" if args.count_syncs else ""
     print(f"{'system':10} {'step':>9} {'vs plain':>9} {'target':>7} {'peak device':>12} "
-          f"{'peak RSS':>9} {'loss diff':>10}{syncs}")  # fmt: skip
+          f"{'peak RSS':>9} {'loss diff':>10} {'params':>6}{syncs}")  # fmt: skip
     for name in systems:
         if name in errors:
             print(f"{name:10} failed: {errors[name]}")
@@ -529,12 +545,14 @@ def main(argv: list[str] | None = None) -> int:
         diff = max(
             abs(a - b) for row in rows for a, b in zip(row.losses, plain[0].losses, strict=True)
         )
+        same = sum(r.param_sums == plain[0].param_sums for r in rows)
         counted = [r.syncs_per_step for r in rows if r.syncs_per_step is not None]
         syncs = f" {statistics.median(counted):10.1f}" if counted else ""
         print(
             f"{name:10} {step * 1e3:7.1f}ms {step / base:8.3f}x {target:>7} "
             f"{max(r.peak_device_bytes for r in rows) / MIB:9.0f}MiB "
-            f"{max(r.peak_rss_bytes for r in rows) / MIB:6.0f}MiB {diff:10.2e}{syncs}"
+            f"{max(r.peak_rss_bytes for r in rows) / MIB:6.0f}MiB {diff:10.2e} "
+            f"{f'{same}/{len(rows)}':>6}{syncs}"
         )
     timed = {name: [r.phases for r in runs[name] if r.phases] for name in systems}
     if any(timed.values()):

@@ -21,6 +21,7 @@ from tests.offload.test_host_offload import check_host_step, resume, save_and_co
 from tests.offload.test_offload_states import check_all_parked, device_memory_parked
 from tests.offload.test_offload_training import _close
 from tests.tensor_parallel.test_layers import check_fused_gpt_attention
+from tests.zero.test_device_step import check_same_skip, train
 from tests.zero.test_parity import check_parity
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -80,6 +81,17 @@ def test_stages_equal_one_process_on_the_gpu():
     same GPU."""
     failures = on_gpu(check_parity)[0]
     assert failures == [], "\n".join(failures)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_the_gpu_skips_a_non_finite_step_itself(stage):
+    """The global norm, clipping and the skip of a NaN loss's step decided on the GPU (fused
+    AdamW's ``found_inf``, the flag read once through a pinned copy behind an event), against
+    the same run taking those decisions on the host; at stage 0, with gradients accumulated
+    in place."""
+    dev = on_gpu(train, stage, True, 2, 1.0, 0)[0]
+    host = on_gpu(train, stage, False, 2, 1.0, 0)[0]
+    check_same_skip(dev, host, 0)
 
 
 def test_host_step_equals_the_device_step(tmp_path):

@@ -52,11 +52,13 @@ class _Reads:
             setattr(torch.Tensor, name, orig)
 
 
-def train(stage: int, on_device: bool, poisoned: int | None, scale: float = 1.0) -> dict:
-    """Four steps with clipping at 1.0 and a warm-up schedule; at step ``poisoned`` rank 1's
-    loss is NaN. Returns per step: the reads before ``confirm`` and from it on (a skipped
-    step's warning reads more), whether it applied, whether the parameters changed; then the
-    skips, the learning rate, the norm and the parameters."""
+def train(
+    stage: int, on_device: bool, poisoned: int | None, scale: float = 1.0, bad_rank: int = 1
+) -> dict:
+    """Four steps with clipping at 1.0 and a warm-up schedule; at step ``poisoned`` rank
+    ``bad_rank``'s loss is NaN. Returns per step: the reads before ``confirm`` and from it on
+    (a skipped step's warning reads more), whether it applied, whether the parameters changed;
+    then the skips, the learning rate, the norm and the parameters."""
     engine, *_ = zerolap.initialize(
         model=make_model(),
         config={
@@ -83,10 +85,10 @@ def train(stage: int, on_device: bool, poisoned: int | None, scale: float = 1.0)
     steps = []
     try:
         for step in range(4):
-            tokens, targets = rank_batch(step, MICRO)
+            tokens, targets = (t.to(engine.device) for t in rank_batch(step, MICRO))
             before = _params(engine)
             loss = loss_fn(engine(tokens), targets) * scale
-            if step == poisoned and dist.get_rank() == 1:
+            if step == poisoned and dist.get_rank() == bad_rank:
                 loss = loss * float("nan")
             engine.backward(loss)
             seen.clear()
@@ -110,24 +112,28 @@ def train(stage: int, on_device: bool, poisoned: int | None, scale: float = 1.0)
     return result
 
 
+def check_same_skip(dev: dict, host: dict, rank: int) -> None:
+    """``train``'s device path against its host path, a NaN loss at step 2."""
+    # Nothing read before confirm() at any step (the skipped one included): the norm, the clip
+    # factor and the skip flag stayed tensors; an applied step read the flag and nothing else.
+    assert [s[0] for s in dev["steps"]] == [0] * 4, (rank, dev["steps"])
+    assert [s[1] for s in dev["steps"] if s[2]] == [1] * 3, (rank, dev["steps"])
+    assert [s[2:] for s in dev["steps"]] == [(True, True), (True, True), (False, False),
+                                             (True, True)], (rank, dev["steps"])  # fmt: skip
+    assert [s[2:] for s in host["steps"]] == [s[2:] for s in dev["steps"]]
+    assert dev["skipped"] == host["skipped"] == 1
+    assert dev["lr"] == host["lr"]  # the schedule did not step on the skipped step
+    assert dev["norm"] == pytest.approx(host["norm"], rel=1e-5)
+    for a, b in zip(dev["params"], host["params"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_the_device_decides_the_skip_and_the_host_reads_it_once_after_the_launches(ranks, stage):
     on_device = ranks(2).run(train, stage, True, 2, timeout=120)
     on_host = ranks(2).run(train, stage, False, 2, timeout=120)
     for rank, (dev, host) in enumerate(zip(on_device, on_host, strict=True)):
-        # Nothing read before confirm() at any step (the skipped one included): the norm,
-        # the clip factor and the skip flag stayed tensors; an applied step read the flag
-        # and nothing else.
-        assert [s[0] for s in dev["steps"]] == [0] * 4, (rank, dev["steps"])
-        assert [s[1] for s in dev["steps"] if s[2]] == [1] * 3, (rank, dev["steps"])
-        assert [s[2:] for s in dev["steps"]] == [(True, True), (True, True), (False, False),
-                                                 (True, True)], (rank, dev["steps"])  # fmt: skip
-        assert [s[2:] for s in host["steps"]] == [s[2:] for s in dev["steps"]]
-        assert dev["skipped"] == host["skipped"] == 1
-        assert dev["lr"] == host["lr"]  # the schedule did not step on the skipped step
-        assert dev["norm"] == pytest.approx(host["norm"], rel=1e-5)
-        for a, b in zip(dev["params"], host["params"], strict=True):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        check_same_skip(dev, host, rank)
 
 
 def test_huge_but_finite_gradients_step_on_the_device_path(ranks):

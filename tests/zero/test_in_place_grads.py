@@ -1,20 +1,24 @@
-"""Stages 0-1 on an accelerator: autograd accumulates every gradient in the flat buffer itself
-(each ``param.grad`` is its place there), with no hook per parameter during backward
-(``GradReducer``'s ``in_place``). On CPU the engine does not choose it (the zeroing and adding
-it trades for the hooks cost a CPU more than the hooks); these tests choose it there by
-patching ``zerolap.accelerator.runs_apart``, and must then train exactly as the hooks do:
-bitwise the same parameters at every step, with a tied weight, a parameter unused in some
-micro-batches and gradient accumulation, and the same ``param.grad`` a caller sees."""
+"""Stages 0-2 on an accelerator: autograd accumulates every gradient in the storage's buffer
+itself (each ``param.grad`` is its place in stages 0-1's flat buffer, or in stage 2's bucket
+buffers), with no hook per parameter during backward (``GradReducer``'s ``in_place``). On CPU
+the engine does not choose it (the zeroing and adding it trades for the hooks cost a CPU more
+than the hooks); these tests choose it there by patching ``zerolap.accelerator.runs_apart``,
+and must then train exactly as the hooks do: bitwise the same parameters at every step, with a
+tied weight, a parameter unused in some micro-batches and gradient accumulation, and the same
+``param.grad`` a caller sees."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 
 import pytest
 import torch
 
 import zerolap
 import zerolap.accelerator
+from tests.offload.test_host_offload import apart
 from tests.zero.models import assert_equal_on_every_rank, loss_fn, make_model, rank_batch
 from zerolap.zero.reducer import GradReducer
 
@@ -32,7 +36,7 @@ def _config(stage: int, gas: int, **zero) -> dict:
     }
 
 
-def train(stage: int, gas: int, in_place: bool) -> dict:
+def train(stage: int, gas: int, in_place: bool, reduce_scatter: bool = True) -> dict:
     """Three steps of ``gas`` micro-batches on every rank (the odd micro-batches leave one
     parameter unused). Returns whether the engine chose in-place gradients, how often the
     per-parameter hook ran, each backward's ``param.grad`` as a caller sees it, and each
@@ -45,7 +49,8 @@ def train(stage: int, gas: int, in_place: bool) -> dict:
     try:
         with _runs_apart(in_place):
             engine, *_ = zerolap.initialize(
-                model=make_model().to(torch.bfloat16), config=_config(stage, gas)
+                model=make_model().to(torch.bfloat16),
+                config=_config(stage, gas, reduce_scatter=reduce_scatter),
             )
         return _train(engine, gas) | {"hooks": len(hooks)}
     finally:
@@ -83,18 +88,29 @@ def _train(engine, gas: int) -> dict:
     return {"chose": chose, "grads": grads, "params": params}
 
 
-@pytest.mark.parametrize("stage, gas", [(0, 1), (0, 2), (1, 1), (1, 2)])
-def test_in_place_gradients_train_bitwise_as_the_hooks_do(ranks, stage, gas):
-    in_place = ranks(2).run(train, stage, gas, True, timeout=120)
-    hooked = ranks(2).run(train, stage, gas, False, timeout=120)
+@pytest.mark.parametrize(
+    "stage, gas, reduce_scatter",
+    [
+        (0, 1, True),
+        (0, 2, True),
+        (1, 1, True),
+        (1, 2, True),
+        (2, 1, True),
+        (2, 2, True),
+        (2, 1, False),
+    ],
+)
+def test_in_place_gradients_train_bitwise_as_the_hooks_do(ranks, stage, gas, reduce_scatter):
+    in_place = ranks(2).run(train, stage, gas, True, reduce_scatter, timeout=120)
+    hooked = ranks(2).run(train, stage, gas, False, reduce_scatter, timeout=120)
     for a, b in zip(in_place, hooked, strict=True):
         assert a["chose"] and not b["chose"]
         assert a["hooks"] == 0 and b["hooks"] > 0  # no per-parameter work during backward
         for grads_a, grads_b in zip(a["grads"], b["grads"], strict=True):
             for ga, gb in zip(grads_a, grads_b, strict=True):
                 # Stage 0 shows the gradients (the average at the boundary, this rank's sum
-                # between micro-batches); stage 1 shows none, as DeepSpeed.
-                assert (ga is None) == (gb is None) == (stage == 1)
+                # between micro-batches); stages 1-2 show none, as DeepSpeed.
+                assert (ga is None) == (gb is None) == (stage >= 1)
                 if ga is not None:
                     assert torch.equal(ga, gb)
         for params_a, params_b in zip(a["params"], b["params"], strict=True):
@@ -102,10 +118,11 @@ def test_in_place_gradients_train_bitwise_as_the_hooks_do(ranks, stage, gas):
                 assert torch.equal(pa, pb)
 
 
-def chosen(stage: int, **zero) -> bool:
+def chosen(stage: int, top: dict | None = None, **zero) -> bool:
+    """Whether the engine chooses in-place gradients (``top``: more top-level keys)."""
     with _runs_apart(True):
         engine, *_ = zerolap.initialize(
-            model=make_model().to(torch.bfloat16), config=_config(stage, 1, **zero)
+            model=make_model().to(torch.bfloat16), config=_config(stage, 1, **zero) | (top or {})
         )
     chose = engine.reducer.in_place
     engine.destroy()
@@ -113,13 +130,18 @@ def chosen(stage: int, **zero) -> bool:
 
 
 def test_in_place_gradients_only_where_nothing_needs_a_hook(ranks):
-    """Stage 2 keeps a shard (no flat buffer); ``overlap_comm`` launches buckets during
-    backward; ``ignore_unused_parameters: false`` must see which parameter got no gradient."""
+    """Stage 3 releases its parameters between their uses; ``overlap_comm`` launches buckets
+    during backward; ``ignore_unused_parameters: false`` must see which parameter got no
+    gradient; an fp32 communication has no place for a bf16 gradient. (Stage 2's memory rule
+    is ``test_reducer``'s.)"""
     pool = ranks(2)
     assert pool.run(chosen, 1) == [True, True]
-    assert pool.run(chosen, 2) == [False, False]
+    assert pool.run(chosen, 2) == [True, True]
+    assert pool.run(chosen, 3) == [False, False]
     assert pool.run(chosen, 1, overlap_comm=True) == [False, False]
+    assert pool.run(chosen, 2, overlap_comm=True) == [False, False]
     assert pool.run(chosen, 0, ignore_unused_parameters=False) == [False, False]
+    assert pool.run(chosen, 2, {"communication_data_type": "fp32"}) == [False, False]
 
 
 def train_with_create_graph(in_place: bool) -> list[torch.Tensor]:
@@ -146,9 +168,10 @@ def test_a_gradient_accumulated_out_of_place_still_counts(ranks):
 
 def train_two_backwards(stage: int, in_place: bool) -> dict:
     """Two backwards before each step (a multi-loss loop), the second leaving one parameter,
-    and so a whole bucket, without a gradient: the first reduces the buffer, so the second is
-    a later round, reduced apart and added (and a bucket it did not reach reduces zeros).
-    Returns each step's ``param.grad`` after the second backward, and the parameters."""
+    and so a whole bucket, without a gradient: at stages 0-1 the first reduces the buffer, so
+    the second is a later round, reduced apart and added; at stage 2 each is reduced into the
+    shard (and a bucket the second did not reach reduces zeros). Returns each step's
+    ``param.grad`` after the second backward, and the parameters."""
     with _runs_apart(in_place):
         engine, *_ = zerolap.initialize(
             model=make_model().to(torch.bfloat16),
@@ -168,14 +191,44 @@ def train_two_backwards(stage: int, in_place: bool) -> dict:
     return {"grads": grads, "params": params}
 
 
-@pytest.mark.parametrize("stage", [0, 1])
+@pytest.mark.parametrize("stage", [0, 1, 2])
 def test_a_second_backward_before_the_step_is_a_later_round(ranks, stage):
     in_place = ranks(2).run(train_two_backwards, stage, True, timeout=120)
     hooked = ranks(2).run(train_two_backwards, stage, False, timeout=120)
     for a, b in zip(in_place, hooked, strict=True):
         for grads_a, grads_b in zip(a["grads"], b["grads"], strict=True):
             for ga, gb in zip(grads_a, grads_b, strict=True):
-                assert (ga is None) == (gb is None) == (stage == 1)  # stage 0 shows them
+                assert (ga is None) == (gb is None) == (stage >= 1)  # stage 0 shows them
                 if ga is not None:
                     assert torch.equal(ga, gb)
     assert_equal_on_every_rank([r["params"] for r in in_place], [r["params"] for r in hooked])
+
+
+def parked_and_back(park: bool) -> dict:
+    """Stage 2 in place: ``offload_states()`` after a step frees the buckets' buffer (nothing
+    of this module keeps it: the places are dropped with it), and after ``reload_states()``
+    the next backward allocates it again; training goes on as if nothing was parked."""
+    with _runs_apart(True), apart():
+        engine, *_ = zerolap.initialize(model=make_model().to(torch.bfloat16), config=_config(2, 1))
+        engine.optimizer.on_accelerator = False
+        freed = None
+        for step in range(3):
+            tokens, targets = rank_batch(step, MICRO)
+            engine.backward(loss_fn(engine(tokens), targets))
+            engine.step()
+            if park and step == 0:
+                buffer = weakref.ref(engine.grads.grad_places(engine.params)[0]._base)
+                engine.offload_states()
+                gc.collect()
+                freed = buffer() is None
+                engine.reload_states()
+        params = [p.detach().clone() for p in engine.parameters()]
+        engine.destroy()
+    return {"freed": freed, "params": params}
+
+
+def test_offload_states_frees_the_in_place_buffer(ranks):
+    parked = ranks(2).run(parked_and_back, True, timeout=120)
+    straight = ranks(2).run(parked_and_back, False, timeout=120)
+    assert [r["freed"] for r in parked] == [True, True]
+    assert_equal_on_every_rank([r["params"] for r in parked], [r["params"] for r in straight])

@@ -102,3 +102,46 @@ def test_stage_2_holds_at_most_its_pool_of_bucket_buffers(overlap):
     assert len(layout.buckets) == 10
     assert storage.buffer_bytes() <= storage.max_buffers * 4 * 4
     assert storage.shard.tolist() == [1.0] * 40
+
+
+def test_stage_2_in_place_holds_no_more_than_the_pool_would():
+    """One buffer of every bucket (gradients in place) where the hooks' pool would hold as
+    much: as many buffers as buckets, up to its size, each of the largest bucket's size."""
+
+    def costs_no_memory(sizes: list[int], bucket_numel: int) -> bool:
+        layout = build_layout(sizes, bucket_numel=bucket_numel, world_size=1)
+        storage = ShardGradients(
+            layout, 0, dtype=torch.float32, comm_dtype=torch.float32, device="cpu"
+        )
+        return storage.in_place_costs_no_memory()
+
+    assert costs_no_memory([4] * 10, 100)  # one bucket
+    assert costs_no_memory([4] * 4, 4)  # four buckets: the pool holds four
+    assert not costs_no_memory([4] * 5, 4)  # five: the pool still four
+    assert costs_no_memory([4, 4, 4, 4, 16], 4)  # four of 16 elements: 32 of 64
+
+
+def test_stage_2_in_place_reduces_every_backward_into_the_shard():
+    """Stage 2 in place: each backward starts its buckets' buffers from zeros and reduces
+    them into the shard (a second backward in the cycle adds; a bucket it does not reach
+    reduces zeros), with no hook per parameter; param.grad is each place in the buffers."""
+    params = [torch.nn.Parameter(torch.ones(4)) for _ in range(3)]
+    layout = build_layout([4] * 3, bucket_numel=8, world_size=1)
+    assert [b.slots for b in layout.buckets] == [(0, 1), (2,)]
+    storage = ShardGradients(layout, 0, dtype=torch.float32, comm_dtype=torch.float32, device="cpu")
+    reduction = _Recorded()
+    reducer = GradReducer(params, layout, storage, reduction, overlap=False, in_place=True)
+    assert reducer._hooks == []
+    reducer.begin_cycle()
+    for scale in (1.0, 10.0):
+        reducer.begin_backward(True)
+        assert all(p.grad is not None and not p.grad.any() for p in params)
+        (params[0] * scale + params[1] * 2 * scale + params[2] * 3).sum().backward()
+        reducer.finish_backward()
+        assert params[2].grad.tolist() == [3.0] * 4  # its place in bucket 1's buffer
+    reducer.begin_backward(True)  # a third that reaches bucket 0 only
+    (params[0] * 100).sum().backward()
+    reducer.finish_backward()
+    assert reduction.launched == [0, 1] * 3  # bucket 1 reduced zeros in the third
+    storage.settle()
+    assert storage.shard.tolist() == [111.0] * 4 + [22.0] * 4 + [6.0] * 4

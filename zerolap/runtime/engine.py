@@ -619,19 +619,23 @@ class ZerolapEngine(torch.nn.Module):
         )
 
     def _accumulates_in_place(self, pre: float) -> bool:
-        """Whether autograd accumulates the gradients in the flat buffer itself, with no hook
-        per parameter (``GradReducer``'s ``in_place``): on an accelerator, at stages 0-1
-        without ``overlap_comm`` (nothing is launched during backward), with every
-        gradient stored as it comes (no pre factor; the buffer in the parameters' dtype),
+        """Whether autograd accumulates the gradients in the storage's buffer itself, with no
+        hook per parameter (``GradReducer``'s ``in_place``): on an accelerator, at stages 0-2
+        without ``overlap_comm`` (nothing is launched during backward), where the buffer
+        costs no more memory than the hooks' (stage 2: one buffer of every bucket against
+        the pool's; stage 3's parameters are not whole between their uses), with every
+        gradient stored as it comes (no pre factor; the buffer in the parameters' dtype:
+        at stage 2 the communication's),
         nothing offloaded, outside a pipeline, and with unused parameters allowed (no hook
         sees which got no gradient)."""
         zero = self._config.zero_optimization
         return (
             accelerator.runs_apart(self.param_store.device)
-            and not self.plan.shard_gradients
+            and not self.plan.shard_params
+            and self.grads.in_place_costs_no_memory()
             and not zero.overlap_comm
             and pre == 1.0
-            and all(p.dtype == self.param_store.dtype for p in self.params)
+            and all(p.dtype == self.grads.in_place_dtype for p in self.params)
             and self.offload.host is None
             and self.offload.optimizer is None
             and self._bucket_kinds() is None
@@ -927,12 +931,13 @@ class ZerolapEngine(torch.nn.Module):
         communication: ``reductions.scale_factors``), where DDP's ``no_sync`` shows the bare sum.
         After a reduce-scatter only the own chunks hold the average, so ``param.grad`` stays
         None, as in DeepSpeed. With in-place gradients (``GradReducer.in_place``) each
-        ``param.grad`` is its place in the buffer already; after a reduce-scatter it is
-        cleared, as the hooks' path leaves it."""
+        ``param.grad`` is its place in the buffer already; after a reduce-scatter, or at
+        stage 2, it is cleared, as the hooks' path leaves it."""
+        if self.reducer.in_place and (self.plan.reduce_scatter or self.plan.shard_gradients):
+            for param in self.params:  # their places hold this rank's own sums, not the result
+                param.grad = None
+            return
         if self.plan.reduce_scatter:
-            if self.reducer.in_place:  # their places hold this rank's own sums elsewhere
-                for param in self.params:
-                    param.grad = None
             return
         if self.reducer.in_place and not self.reducer.later_round:
             return  # each param.grad is its place already

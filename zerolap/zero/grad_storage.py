@@ -44,6 +44,14 @@ def _slot_range(layout: FlatLayout, slot: int) -> tuple[int, int]:
     return place.offset, place.offset + place.numel
 
 
+def _views(buffer: torch.Tensor, layout: FlatLayout, params) -> list[torch.Tensor]:
+    """Each parameter's place in ``buffer`` (laid out as ``layout``), shaped as the parameter."""
+    return [
+        buffer[slot.offset : slot.offset + slot.numel].view_as(param)
+        for slot, param in zip(layout.slots, params, strict=True)
+    ]
+
+
 def _put(place: torch.Tensor, grad: torch.Tensor, factor: float, *, first: bool) -> None:
     """``place`` := (first) or += ``grad`` times ``factor``, computed in ``place``'s dtype
     (one pass when the dtypes agree)."""
@@ -60,6 +68,10 @@ def _put(place: torch.Tensor, grad: torch.Tensor, factor: float, *, first: bool)
 
 
 class FullGradients:
+    # A bucket's reduction lands in the buffer its gradients were accumulated in: a backward
+    # after it in the same cycle cannot accumulate there in place (``GradReducer``).
+    reduces_in_place = True
+
     def __init__(
         self,
         layout: FlatLayout,
@@ -74,6 +86,8 @@ class FullGradients:
         self.pre = pre  # every gradient is multiplied by it as it is written
         self.flat = torch.zeros(layout.numel, dtype=dtype, device=device)
         self.unwritten = set(range(len(layout.slots)))  # slots with no gradient this cycle
+        self._places: list[torch.Tensor] = []  # grad_places, views of _places_of
+        self._places_of: torch.Tensor | None = None
 
     def has_free_buffer(self) -> bool:
         return True  # reduces in place
@@ -141,11 +155,27 @@ class FullGradients:
     def begin_cycle(self) -> None:
         self.unwritten = set(range(len(self.layout.slots)))
 
-    def start_from_zeros(self) -> None:
-        """The cycle's gradients accumulate in the buffer itself (``GradReducer``'s
-        ``in_place``): it starts from zeros, and no place is left to zero later."""
-        self.flat.zero_()
-        self.unwritten = set()
+    def grad_places(self, params) -> list[torch.Tensor]:
+        """Each parameter's ``.grad`` when gradients go in place (``GradReducer``'s
+        ``in_place``): its place in the flat buffer (views of its storage: ``offload_states``
+        moves that storage's contents, and the views follow)."""
+        if self._places_of is not self.flat:
+            self._places, self._places_of = _views(self.flat, self.layout, params), self.flat
+        return self._places
+
+    @property
+    def in_place_dtype(self) -> torch.dtype:
+        return self.flat.dtype
+
+    def in_place_costs_no_memory(self) -> bool:
+        return True  # the flat buffer is there either way
+
+    def start_in_place(self) -> None:
+        """Before a backward that accumulates in place: the cycle's first starts from zeros
+        (no place is then left to zero later); the next ones add to its sums."""
+        if self.unwritten:
+            self.flat.zero_()
+            self.unwritten = set()
 
     def settle(self) -> None:
         """Before the optimizer reads: places no micro-batch wrote hold zero."""
@@ -169,6 +199,9 @@ class FullGradients:
 
 
 class ShardGradients:
+    # A bucket's reduction lands in the shard: every backward may accumulate in place.
+    reduces_in_place = False
+
     def __init__(
         self,
         layout: FlatLayout,
@@ -200,9 +233,44 @@ class ShardGradients:
         self._allocated = 0
         self.max_buffers = max_buffers  # beyond this, the reducer finishes a bucket first
         self._unwritten: dict[int, set[int]] = {}  # per bucket holding a buffer
+        # With gradients in place (``start_in_place``): one buffer of every bucket, laid out
+        # as ``layout``, instead of the pool, and each parameter's place in it (None until
+        # the first backward, or after ``drop_buffers``).
+        self._in_place = False
+        self._in_place_flat: torch.Tensor | None = None
+        self._places: list[torch.Tensor] | None = None
 
     def has_free_buffer(self) -> bool:
         return bool(self._free) or self._allocated < self.max_buffers
+
+    @property
+    def in_place_dtype(self) -> torch.dtype:
+        return self.comm_dtype  # the buckets' buffers are what the reductions send
+
+    def in_place_costs_no_memory(self) -> bool:
+        """Whether one buffer of every bucket (gradients in place) is no larger than the
+        pooled buffers the hooks' path holds from its first backward on: as many as there are
+        buckets, up to the pool's size, each of the largest bucket's size."""
+        buckets = len(self.layout.buckets)
+        return self.layout.numel <= min(buckets, self.max_buffers) * self._buffer_numel
+
+    def start_in_place(self) -> None:
+        """Before a backward that accumulates in place (``GradReducer``'s ``in_place``):
+        every bucket's buffer starts from zeros (its last round was delivered to the shard),
+        padding included."""
+        self._in_place = True
+        if self._in_place_flat is None:
+            self._in_place_flat = torch.empty(
+                self.layout.numel, dtype=self.comm_dtype, device=self.device
+            )
+        self._in_place_flat.zero_()
+
+    def grad_places(self, params) -> list[torch.Tensor]:
+        """Each parameter's ``.grad`` when gradients go in place: its place in its bucket's
+        buffer (after ``start_in_place``)."""
+        if self._places is None:
+            self._places = _views(self._in_place_flat, self.layout, params)
+        return self._places
 
     def place_on_host(self, position: int, plan) -> bool:
         """Keep the shard's elements from ``position`` on in host memory (``plan``: the
@@ -240,6 +308,9 @@ class ShardGradients:
         unwritten.discard(slot)
 
     def buffer_for(self, bucket: Bucket) -> torch.Tensor:
+        if self._in_place:  # zeroed before the backward: unwritten places and padding too
+            bucket.buffer = self._in_place_flat[bucket.layout.start : bucket.layout.end]
+            return bucket.buffer
         if bucket.buffer is None:  # no gradient arrived this round: contribute zeros
             bucket.buffer = self._acquire(bucket)
         offset = bucket.layout.start
@@ -269,7 +340,8 @@ class ShardGradients:
             if piece.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
                 copied = None  # it reads a reduction's own output (kept by record_stream)
         bucket.delivered = True
-        self._free.append((buffer, copied))
+        if not self._in_place:
+            self._free.append((buffer, copied))
         bucket.buffer = None  # the other ranks' gradients are not kept past the reduction
 
     def _down(self, bucket: int, piece: torch.Tensor, position: int):
@@ -358,7 +430,8 @@ class ShardGradients:
 
     def buffer_bytes(self) -> int:
         itemsize = torch.empty((), dtype=self.comm_dtype).element_size()
-        return self._allocated * self._buffer_numel * itemsize
+        flat = self._in_place_flat.numel() if self._in_place_flat is not None else 0
+        return (self._allocated * self._buffer_numel + flat) * itemsize
 
     def device_tensors(self) -> list[torch.Tensor]:
         """The gradient shard where training runs (``offload_states``' lp_grads)."""
@@ -369,3 +442,4 @@ class ShardGradients:
         contiguous_grad_buffer); the next reductions allocate them again."""
         self._allocated -= len(self._free)  # one a raised backward never gave back stays counted
         self._free.clear()
+        self._in_place_flat = self._places = None  # the next backward in place allocates it

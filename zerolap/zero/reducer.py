@@ -21,13 +21,15 @@ when a bucket needs a buffer and the storage's pool is used up (stage 2's few bu
 then the ready buckets are reduced there, in order, and waited for, so that no reduction runs
 while autograd computes.
 
-``in_place`` (stages 0-1 without ``overlap_comm``, on an accelerator; the engine chooses it):
-there is no phase 2. Each parameter's ``.grad`` is its place in the storage's flat buffer
-before backward, zeroed at the cycle's start, so autograd's own accumulation adds every
-gradient there, and nothing of this module runs per parameter while autograd computes (on a
-GPU the host's per-parameter hooks are what backward waits on). The cost is a zeroing and an
-add where the hooks copied: a pass over the gradients that a GPU does in a fraction of what
-the hooks cost the host, and a CPU does not, so it is not chosen there.
+``in_place`` (stages 0-2 without ``overlap_comm``, on an accelerator; the engine chooses it):
+there is no phase 2. Each parameter's ``.grad`` is its place in a buffer of the storage's,
+zeroed before the backward that first writes it (``start_in_place``), so autograd's own
+accumulation adds every gradient there, and nothing of this module runs per parameter while
+autograd computes (on a GPU the host's per-parameter hooks are what backward waits on). The
+buffer is stages 0-1's flat gradient, or at stage 2 one buffer for every bucket, where the
+hooks would have filled as many from their pool. The cost is a zeroing and an add where the
+hooks copied: a pass over the gradients that a GPU does in a fraction of what the hooks cost
+the host, and a CPU does not, so it is not chosen there.
 """
 
 from __future__ import annotations
@@ -72,10 +74,9 @@ class GradReducer:
         if in_place and overlap:
             raise ValueError("in-place gradients launch nothing during backward: no overlap")
         self.in_place = in_place
-        self._places: list[torch.Tensor] = []  # in place: each parameter's .grad
-        self._places_of = None  # the buffer they are views of
         # In place: this backward goes the hooks' way (begin_backward), and after it each
-        # param.grad is not its place in the buffer.
+        # param.grad is not its place in the buffer (only where reductions land in that
+        # buffer: stages 0-1).
         self.later_round = False
         self.buckets = [Bucket(b) for b in layout.buckets]
         self.reducing = False  # whether the current backward reduces
@@ -103,8 +104,6 @@ class GradReducer:
         """Start an accumulation cycle: gradients from zero."""
         self._got_grad = [False] * len(self.params)  # in this cycle, by slot
         self.storage.begin_cycle()
-        if self.in_place:
-            self.storage.start_from_zeros()
         for bucket in self.buckets:
             bucket.delivered = False
 
@@ -113,12 +112,17 @@ class GradReducer:
         Every parameter's ``.grad`` is set: to its place in the storage when gradients
         accumulate in place, else to None (the hooks move each gradient to the storage)."""
         # In place, a backward after one that reduced in this cycle (before step()) cannot
-        # add into the buffer, which holds the reduction now: its gradients go to autograd's
-        # own tensors and, after it, through the hooks' path (a later round, reduced apart
-        # and added).
-        self.later_round = self.in_place and any(b.delivered for b in self.buckets)
+        # add into a buffer that holds the reduction now (stages 0-1): its gradients go to
+        # autograd's own tensors and, after it, through the hooks' path (a later round,
+        # reduced apart and added).
+        self.later_round = (
+            self.in_place
+            and self.storage.reduces_in_place
+            and any(b.delivered for b in self.buckets)
+        )
         if self.in_place and not self.later_round:
-            places = self._grad_places()
+            self.storage.start_in_place()
+            places = self.storage.grad_places(self.params)
             for param, place in zip(self.params, places, strict=True):
                 param.grad = place
         else:
@@ -198,17 +202,6 @@ class GradReducer:
         for listener in self.on_delivered:
             listener(bucket.index)
 
-    def _grad_places(self) -> list[torch.Tensor]:
-        """Each parameter's place in the flat buffer, shaped as the parameter (views of its
-        storage: ``offload_states`` moves that storage's contents, and the views follow)."""
-        if self._places_of is not self.storage.flat:
-            self._places = [
-                self.storage.param_grad(slot).view_as(param)
-                for slot, param in enumerate(self.params)
-            ]
-            self._places_of = self.storage.flat
-        return self._places
-
     def _gather_in_place(self) -> None:
         """In place, after autograd: a ``.grad`` that is no longer its place (a backward with
         ``create_graph`` accumulates out of place, or the caller replaced it) holds the sum
@@ -220,7 +213,7 @@ class GradReducer:
                 if param.grad is not None:
                     self._on_grad(slot, param)
             return
-        for param, place in zip(self.params, self._places, strict=True):
+        for param, place in zip(self.params, self.storage.grad_places(self.params), strict=True):
             grad = param.grad
             if grad is not place:
                 if grad is not None:
