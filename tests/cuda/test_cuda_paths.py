@@ -87,8 +87,8 @@ def test_stages_equal_one_process_on_the_gpu():
 def test_the_gpu_skips_a_non_finite_step_itself(stage):
     """The global norm, clipping and the skip of a NaN loss's step decided on the GPU (fused
     AdamW's ``found_inf``, the flag read once through a pinned copy behind an event), against
-    the same run taking those decisions on the host; at stage 0, with gradients accumulated
-    in place."""
+    the same run taking those decisions on the host; both stages with gradients accumulated
+    in place (fp32 at world size 1 divides by nothing on the way)."""
     dev = on_gpu(train, stage, True, 2, 1.0, 0)[0]
     host = on_gpu(train, stage, False, 2, 1.0, 0)[0]
     check_same_skip(dev, host, 0)

@@ -144,11 +144,11 @@ def test_in_place_gradients_only_where_nothing_needs_a_hook(ranks):
     assert pool.run(chosen, 2, {"communication_data_type": "fp32"}) == [False, False]
 
 
-def train_with_create_graph(in_place: bool) -> list[torch.Tensor]:
+def train_with_create_graph(stage: int, in_place: bool) -> list[torch.Tensor]:
     """``loss.backward(create_graph=True)``: autograd then accumulates out of place, so a
     ``param.grad`` is no longer its place in the buffer after backward."""
     with _runs_apart(in_place):
-        engine, *_ = zerolap.initialize(model=make_model(), config=_config(0, 1))
+        engine, *_ = zerolap.initialize(model=make_model(), config=_config(stage, 1))
     assert engine.reducer.in_place is in_place
     engine.optimizer.on_accelerator = False
     for step in range(2):
@@ -160,9 +160,10 @@ def train_with_create_graph(in_place: bool) -> list[torch.Tensor]:
     return params
 
 
-def test_a_gradient_accumulated_out_of_place_still_counts(ranks):
-    in_place = ranks(2).run(train_with_create_graph, True, timeout=120)
-    hooked = ranks(2).run(train_with_create_graph, False, timeout=120)
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_gradient_accumulated_out_of_place_still_counts(ranks, stage):
+    in_place = ranks(2).run(train_with_create_graph, stage, True, timeout=120)
+    hooked = ranks(2).run(train_with_create_graph, stage, False, timeout=120)
     assert_equal_on_every_rank(in_place, hooked)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.logs import captured_logs
 from zerolap.zero.grad_storage import ShardGradients
 from zerolap.zero.layout import build_layout
 from zerolap.zero.reducer import GradReducer
@@ -145,3 +146,28 @@ def test_stage_2_in_place_reduces_every_backward_into_the_shard():
     assert reduction.launched == [0, 1] * 3  # bucket 1 reduced zeros in the third
     storage.settle()
     assert storage.shard.tolist() == [111.0] * 4 + [22.0] * 4 + [6.0] * 4
+
+
+def test_a_bucket_waiting_for_a_gradient_holds_back_the_ones_after_it_and_says_so():
+    """Buckets reduce in order on every rank. When the first in order waits for a gradient
+    that backward never computes (an unused parameter), the complete ones after it keep
+    their buffers past the pool's four, up to the whole gradient: the engine says which
+    bucket waits and for what, once; the reductions are still right."""
+    params = [torch.nn.Parameter(torch.ones(4)) for _ in range(10)]
+    params[0] = torch.nn.Parameter(torch.ones(2, 2))
+    layout = build_layout([4] * 10, bucket_numel=4, world_size=1)  # a bucket per parameter
+    storage = ShardGradients(layout, 0, dtype=torch.float32, comm_dtype=torch.float32, device="cpu")
+    reducer = GradReducer(params, layout, storage, _Recorded(), overlap=False)
+    reducer.begin_cycle()
+    with captured_logs() as logs:
+        for _ in range(2):
+            reducer.begin_backward(True)
+            sum((p * i).sum() for i, p in enumerate(params[1:], 1)).backward()
+            reducer.finish_backward()
+            assert storage.buffer_bytes() == 10 * 4 * 4
+    said = [m for m in logs if "bucket 0 still waits" in m]
+    assert len(said) == 1 and "of shape (2, 2) while" in said[0], logs
+    storage.settle()
+    assert storage.shard.tolist() == [0.0] * 4 + [
+        float(i * 2) for i in range(1, 10) for _ in range(4)
+    ]

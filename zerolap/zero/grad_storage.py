@@ -10,7 +10,10 @@ Two kinds, chosen once per ZeRO stage:
   gradients in a buffer from a small pool, reduce-scattered every micro-batch; the owned chunk is
   copied into the shard (the cycle's first round) or added to it, and the buffer goes back to
   the pool. Memory for the other ranks' gradients is a few bucket buffers, whatever the
-  model's size. With optimizer offload from an
+  model's size, while the buckets complete in order (the reducer reduces them in order, so
+  one still waiting for a gradient keeps the complete ones after it, each in its buffer).
+  With in-place gradients (``GradReducer``'s ``in_place``) there is no pool: one buffer of
+  every bucket, kept, where the pool would hold as much. With optimizer offload from an
   accelerator, the shard's tail (the elements the host steps) lives in host memory
   (``place_on_host``): each reduced chunk is copied down as it is delivered, on a side stream,
   so the device keeps no gradient of those elements past their reduction. A later round's chunk
@@ -21,7 +24,9 @@ Rules both follow:
 * Every gradient is multiplied by the reduction's pre factor (``reductions.scale_factors``) as
   it is written. The first gradient written to a place in a round is copied (multiplied into
   place), later ones are added, so nothing is zeroed up front; places that got no gradient
-  (unused parameters, padding) are zeroed just before the bucket is launched. The same holds
+  (unused parameters, padding) are zeroed just before the bucket is launched. (In place,
+  autograd adds every gradient where it lies: that buffer is zeroed up front,
+  ``start_in_place``.) The same holds
   where the cycle's sum is kept (stages 2-3's shard): a bucket's first round is copied there,
   and places no round reached are zeroed when something first reads them (``settle``).
 * The first round of a bucket in an accumulation cycle may reduce in place; any later round (a

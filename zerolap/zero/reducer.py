@@ -23,11 +23,13 @@ while autograd computes.
 
 ``in_place`` (stages 0-2 without ``overlap_comm``, on an accelerator; the engine chooses it):
 there is no phase 2. Each parameter's ``.grad`` is its place in a buffer of the storage's,
-zeroed before the backward that first writes it (``start_in_place``), so autograd's own
+zeroed where a round starts (``start_in_place``: stages 0-1 before a cycle's first backward,
+stage 2 before every backward, whose reduction lands in the shard), so autograd's own
 accumulation adds every gradient there, and nothing of this module runs per parameter while
 autograd computes (on a GPU the host's per-parameter hooks are what backward waits on). The
 buffer is stages 0-1's flat gradient, or at stage 2 one buffer for every bucket, where the
-hooks would have filled as many from their pool. The cost is a zeroing and an add where the
+hooks would have filled as many from their pool (from the first backward on: its peak can
+be higher by the buckets the hooks had not filled yet). The cost is a zeroing and an add where the
 hooks copied: a pass over the gradients that a GPU does in a fraction of what the hooks cost
 the host, and a CPU does not, so it is not chosen there.
 """
@@ -40,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zerolap.utils.logging import logger
 from zerolap.zero.bucket import Bucket, BucketState
 from zerolap.zero.layout import FlatLayout
 
@@ -88,6 +91,7 @@ class GradReducer:
         # are copied to the host from there while backward goes on).
         self.on_delivered: list[Callable[[int], None]] = []
         self._got_grad = [False] * len(params)
+        self._said_held_back = False
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(slot))
             for slot, p in enumerate(params)
@@ -158,6 +162,8 @@ class GradReducer:
             bucket.refill_late(slot)
         if bucket.buffer is None and not self.storage.has_free_buffer():
             self._finish_oldest()  # bounds the memory held by buckets in flight
+            if not self.storage.has_free_buffer():
+                self._say_held_back()
         self.storage.write(bucket, slot, grad)
         if bucket.mark_ready(slot) and self.overlap:
             self._launch_ready()
@@ -190,6 +196,27 @@ class GradReducer:
             if bucket.state == BucketState.REDUCING:
                 self._finish(bucket)
                 return
+
+    def _say_held_back(self) -> None:
+        """Once: the pool of bucket buffers grows, because the bucket next in order still
+        waits for a gradient while later ones are complete (a parameter used late in backward,
+        or unused). Every rank reduces the buckets in the same order, so they wait for it."""
+        if self._said_held_back:
+            return
+        self._said_held_back = True
+        order = self._order[self._next_launch :]
+        waiting = next((b for b in order if b.state != BucketState.READY), None)
+        if waiting is None:  # nothing held back: the pool is in use by reductions in flight
+            return
+        shapes = ", ".join(str(tuple(self.params[s].shape)) for s in sorted(waiting.pending)[:3])
+        more = f" and {len(waiting.pending) - 3} more" if len(waiting.pending) > 3 else ""
+        logger.warning(
+            f"ZeRO: gradient bucket {waiting.index} still waits for the gradients of parameters "
+            f"of shape {shapes}{more} while buckets after it are complete; buckets are reduced "
+            "in order on every rank, so those keep their buffers until it is, beyond the pool "
+            f"of {self.storage.max_buffers} (up to the whole gradient if they never come: "
+            "set requires_grad=False on a parameter that backward never reaches)"
+        )
 
     def _finish(self, bucket: Bucket) -> None:
         if bucket.state != BucketState.REDUCING:
