@@ -13,22 +13,24 @@ Two kinds, chosen once per ZeRO stage:
   model's size, while the buckets complete in order (the reducer reduces them in order, so
   one still waiting for a gradient keeps the complete ones after it, each in its buffer).
   With in-place gradients (``GradReducer``'s ``in_place``) there is no pool: one buffer of
-  every bucket, kept, where the pool would hold as much. With optimizer offload from an
-  accelerator, the shard's tail (the elements the host steps) lives in host memory
-  (``place_on_host``): each reduced chunk is copied down as it is delivered, on a side stream,
-  so the device keeps no gradient of those elements past their reduction. A later round's chunk
-  (accumulation) goes down into a pinned staging buffer and a host thread adds it once it has
-  arrived (``offload.host.HostAdditions``): backward waits only when two are still staged.
+  every bucket, kept, where the pool would hold as much.
+
+  With optimizer offload from an accelerator, the shard's tail (the elements the host
+  steps) lives in host memory (``place_on_host``): each reduced chunk is copied down as it is
+  delivered, on a side stream, so the device keeps no gradient of those elements past their
+  reduction. A later round's chunk (accumulation) goes down into a pinned staging buffer and a
+  host thread adds it once it has arrived (``offload.host.HostAdditions``): backward waits
+  only when two are still staged.
 
 Rules both follow:
 * Every gradient is multiplied by the reduction's pre factor (``reductions.scale_factors``) as
   it is written. The first gradient written to a place in a round is copied (multiplied into
   place), later ones are added, so nothing is zeroed up front; places that got no gradient
-  (unused parameters, padding) are zeroed just before the bucket is launched. (In place,
-  autograd adds every gradient where it lies: that buffer is zeroed up front,
-  ``start_in_place``.) The same holds
+  (unused parameters, padding) are zeroed just before the bucket is launched. The same holds
   where the cycle's sum is kept (stages 2-3's shard): a bucket's first round is copied there,
   and places no round reached are zeroed when something first reads them (``settle``).
+  In place, where autograd adds every gradient into the buffer itself, that buffer is zeroed
+  up front instead (``start_in_place``).
 * The first round of a bucket in an accumulation cycle may reduce in place; any later round (a
   second backward before ``step()``, a late gradient) reduces only the new gradients in a fresh
   zeroed buffer and *adds* the result.

@@ -28,10 +28,10 @@ stage 2 before every backward, whose reduction lands in the shard), so autograd'
 accumulation adds every gradient there, and nothing of this module runs per parameter while
 autograd computes (on a GPU the host's per-parameter hooks are what backward waits on). The
 buffer is stages 0-1's flat gradient, or at stage 2 one buffer for every bucket, where the
-hooks would have filled as many from their pool (from the first backward on: its peak can
-be higher by the buckets the hooks had not filled yet). The cost is a zeroing and an add where the
-hooks copied: a pass over the gradients that a GPU does in a fraction of what the hooks cost
-the host, and a CPU does not, so it is not chosen there.
+hooks would have filled as many from their pool (from the first backward on: its peak can be
+higher by the buckets the hooks had not filled yet). The cost is a zeroing and an add where
+the hooks copied: a pass over the gradients that a GPU does in a fraction of what the hooks
+cost the host, and a CPU does not, so it is not chosen there.
 """
 
 from __future__ import annotations
