@@ -1,12 +1,16 @@
 """The reducer's scope (an interleaved pipeline chunk's backward reduces only that chunk's
-buckets) and the layout's kinds it relies on, in one process with a recording reduction."""
+buckets), the layout's kinds it relies on, stage 2's pool of bucket buffers and its in-place
+buffer, in one process with a recording reduction; and the engine naming a parameter that holds
+the buckets back."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import zerolap
 from tests.logs import captured_logs
+from tests.zero.models import loss_fn, make_model, rank_batch
 from zerolap.zero.grad_storage import ShardGradients
 from zerolap.zero.layout import build_layout
 from zerolap.zero.reducer import GradReducer
@@ -171,3 +175,26 @@ def test_a_bucket_waiting_for_a_gradient_holds_back_the_ones_after_it_and_says_s
     assert storage.shard.tolist() == [0.0] * 4 + [
         float(i * 2) for i in range(1, 10) for _ in range(4)
     ]
+
+
+def held_back_said() -> list[str]:
+    """Stage 2 with its hooks, a bucket per parameter or two, and the parameter backward
+    reaches first in the layout unused: the warning names it."""
+    engine, *_ = zerolap.initialize(
+        model=make_model(),
+        config={
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+            "zero_optimization": {"stage": 2, "reduce_bucket_size": 10},
+        },
+    )
+    tokens, targets = rank_batch(0, 2)
+    with captured_logs() as logs:
+        engine.backward(loss_fn(engine(tokens, use_sometimes=False), targets))
+    engine.destroy()
+    return [m for m in logs if "still waits" in m]
+
+
+def test_the_held_back_warning_names_the_parameter(ranks):
+    for said in ranks(2).run(held_back_said, timeout=60):
+        assert len(said) == 1 and "'sometimes." in said[0], said

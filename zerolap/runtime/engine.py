@@ -441,11 +441,15 @@ class ZerolapEngine(torch.nn.Module):
                         buffer.data = buffer.data.to(target)
         self.module.to(self.device)
 
+    def _names_by_id(self) -> dict[int, str]:
+        """Each parameter's name in the model, by ``id`` (for messages)."""
+        return {id(p): n for n, p in self.module.named_parameters()}
+
     def _check_one_dtype(self) -> None:
         managed = self.units.params if self.units is not None else self.params
         if not managed:
             return
-        names = {id(p): n for n, p in self.module.named_parameters()}
+        names = self._names_by_id()
         first = managed[0]
         for p in managed:
             if p.dtype != first.dtype or p.device != first.device:
@@ -604,6 +608,7 @@ class ZerolapEngine(torch.nn.Module):
                 self.layout, dtype=param_dtype, comm_dtype=comm_dtype, device=device, pre=pre
             )
         groups = self._bucket_groups()
+        names = self._names_by_id()
         if self.plan.reduce_scatter:
             native = dist.get_backend(self.group) == "nccl"
             reduction = ReduceScatterBuckets(groups, rank, post=post, native=native)
@@ -616,6 +621,7 @@ class ZerolapEngine(torch.nn.Module):
             reduction,
             overlap=self._config.zero_optimization.overlap_comm,
             in_place=self._accumulates_in_place(pre),
+            names=[names.get(id(p), "?") for p in self.params],
         )
 
     def _accumulates_in_place(self, pre: float) -> bool:

@@ -68,8 +68,10 @@ class GradReducer:
         *,
         overlap: bool,
         in_place: bool = False,
+        names: list[str] | None = None,
     ) -> None:
         self.params = params  # in layout slot order
+        self.names = names  # the parameters' names in the model, for messages
         self.layout = layout
         self.storage = storage
         self.reduction = reduction
@@ -151,7 +153,7 @@ class GradReducer:
             return
         if self._scope is not None and bucket.index not in self._scope:
             raise RuntimeError(
-                f"a parameter of shape {tuple(param.shape)} got a gradient in a backward that "
+                f"a parameter {self._named(slot)} got a gradient in a backward that "
                 f"reduces only buckets {sorted(self._scope)}, not its bucket {bucket.index}: "
                 "a pipeline backward that reaches part of a stage (a virtual stage's chunk, "
                 "ZB-H1's input-gradient half) must find every parameter it reaches among that "
@@ -208,15 +210,22 @@ class GradReducer:
         waiting = next((b for b in order if b.state != BucketState.READY), None)
         if waiting is None:  # nothing held back: the pool is in use by reductions in flight
             return
-        shapes = ", ".join(str(tuple(self.params[s].shape)) for s in sorted(waiting.pending)[:3])
+        named = ", ".join(self._named(slot) for slot in sorted(waiting.pending)[:3])
         more = f" and {len(waiting.pending) - 3} more" if len(waiting.pending) > 3 else ""
         logger.warning(
             f"ZeRO: gradient bucket {waiting.index} still waits for the gradients of parameters "
-            f"of shape {shapes}{more} while buckets after it are complete; buckets are reduced "
+            f"{named}"
+            f"{more} while buckets after it are complete; buckets are reduced "
             "in order on every rank, so those keep their buffers until it is, beyond the pool "
             f"of {self.storage.max_buffers} (up to the whole gradient if they never come: "
             "set requires_grad=False on a parameter that backward never reaches)"
         )
+
+    def _named(self, slot: int) -> str:
+        shape = tuple(self.params[slot].shape)
+        if self.names is None:
+            return f"of shape {shape}"
+        return f"'{self.names[slot]}' (shape {shape})"
 
     def _finish(self, bucket: Bucket) -> None:
         if bucket.state != BucketState.REDUCING:
