@@ -470,7 +470,7 @@ def _parse(argv):
         "--cpu-as-gpu",
         action="store_true",
         help="without an accelerator, have zerolap take the paths it takes on a GPU (stages "
-        "0-1's in-place gradients, the step's decisions left on the device), to measure their "
+        "0-2's in-place gradients, the step's decisions left on the device), to measure their "
         "host work on the CPU proxy (--model thin)",
     )
     parser.add_argument(

@@ -214,9 +214,8 @@ class GradReducer:
         more = f" and {len(waiting.pending) - 3} more" if len(waiting.pending) > 3 else ""
         logger.warning(
             f"ZeRO: gradient bucket {waiting.index} still waits for the gradients of parameters "
-            f"{named}"
-            f"{more} while buckets after it are complete; buckets are reduced "
-            "in order on every rank, so those keep their buffers until it is, beyond the pool "
+            f"{named}{more} while buckets after it are complete; buckets are reduced in order "
+            "on every rank, so those keep their buffers until it is, beyond the pool "
             f"of {self.storage.max_buffers} (up to the whole gradient if they never come: "
             "set requires_grad=False on a parameter that backward never reaches)"
         )
