@@ -37,8 +37,9 @@ Targets (issue 14): stages 0-2 at most 1.03x plain, stage 3 at most 1.10x.
 their host work. ``--model thin`` keeps GPT-2 small's twelve blocks and layers at a width whose
 arithmetic is small: on a CPU its step time over plain's is mostly the framework's host work
 per step, what a GPU waits for when its kernels are shorter than the host's bookkeeping (stage
-3's per-layer gathers, reductions and hooks). ``--profile`` says where the time went (and where
-the device sat idle, by the phase of the step whose host work ended the wait); ``--phases``
+3's per-layer gathers, reductions and hooks). ``--profile`` says where the time went: where
+the device sat idle, by the phase of the step whose host work ended the wait, and what it ran
+in each phase, kernel by kernel (two rows' backwards compared so); ``--phases``
 times each phase on the host and on the device with CUDA events, light enough to run beside the
 timings.
 
@@ -373,9 +374,9 @@ def _profile_summary(ops, python: cProfile.Profile, wall_s: float, steps: int) -
     stats = pstats.Stats(python, stream=out)
     stats.sort_stats("tottime").print_stats(25)
     try:
-        idle = _device_idle(ops.profiler.kineto_results.events(), steps)
+        idle = _device_time(ops.profiler.kineto_results.events(), steps)
     except Exception as error:  # a diagnosis: its failure must not hide the rest
-        idle = f"device idle: not read ({type(error).__name__}: {error})"
+        idle = f"device time: not read ({type(error).__name__}: {error})"
     return (
         f"kernels {kernel_s / steps * 1e3:.2f} ms a step, {kernel_s / wall_s:.0%} of the "
         f"steps' wall time (profiled, so slower than the timing rows)\n{idle}\n"
@@ -383,11 +384,13 @@ def _profile_summary(ops, python: cProfile.Profile, wall_s: float, steps: int) -
     )
 
 
-def _device_idle(events, steps: int, largest: int = 12) -> str:
-    """Where the device waited for the host: each gap between the device's work (kernels and
-    copies, all streams merged) is put on the host op that launched the work ending it, and on
-    the phase of the step (forward, backward, step) that op ran in. The device's wait across
-    the start of a forward (since the last step's sync, for the loop) is not counted."""
+def _device_time(events, steps: int, largest: int = 12) -> str:
+    """Where the device waited for the host, and what it ran: each gap between the device's
+    work (kernels and copies, all streams merged) is put on the host op that launched the work
+    ending it, and on the phase of the step (forward, backward, step) that op ran in; each
+    kernel or copy's time is put on the phase its launching op ran in, by name, so that two
+    rows' phases compare kernel by kernel. The device's wait across the start of a forward
+    (since the last step's sync, for the loop) is not counted."""
     cpu = [e for e in events if e.device_type().name == "CPU"]
     phases = sorted((e.start_ns(), e.end_ns(), e.name()) for e in cpu if e.name() in PHASES)
     launcher = {e.correlation_id(): e for e in cpu}
@@ -402,7 +405,7 @@ def _device_idle(events, steps: int, largest: int = 12) -> str:
         key=lambda w: w[:2],
     )
     if not work or not phases:
-        return "device idle: no device work recorded"
+        return "device time: no device work recorded"
     forwards = [p[0] for p in phases if p[2] == "forward"]
 
     def phase_of(t: int) -> str:
@@ -412,11 +415,15 @@ def _device_idle(events, steps: int, largest: int = 12) -> str:
         return "between phases"
 
     by_phase: dict[str, float] = {}
+    ran: dict[tuple[str, str], list[float]] = {}  # (phase, kernel) -> [ms, launches]
     gaps = []
     busy_until = None
     for start, end, name, op in work:
         when = op.start_ns()
         where = phase_of(when)
+        tally = ran.setdefault((where, name), [0.0, 0])
+        tally[0] += (end - start) / 1e6
+        tally[1] += 1
         # Idle across a forward's start is the loop's sync between steps: not counted.
         if (
             busy_until is not None
@@ -435,6 +442,17 @@ def _device_idle(events, steps: int, largest: int = 12) -> str:
     ]
     for gap, where, op, kernel in sorted(gaps, reverse=True)[:largest]:
         lines.append(f"  {gap:7.3f} ms in {where}, ended by {op} ({kernel[:60]})")
+    for phase in (*PHASES, "between phases"):
+        kernels = sorted(
+            ((ms, n, k) for (p, k), (ms, n) in ran.items() if p == phase), reverse=True
+        )
+        if kernels:
+            total = sum(ms for ms, _, _ in kernels) / steps
+            lines.append(f"device work in {phase}: {total:.3f} ms a step, by kernel:")
+            lines.extend(
+                f"  {ms / steps:7.3f} ms {n / steps:6.1f}x  {k[:90]}"
+                for ms, n, k in kernels[:largest]
+            )
     return "\n".join(lines)
 
 

@@ -136,6 +136,12 @@ class ShardedParams:
         self.numel = [b.numel for b in layout.buckets]  # elements of each unit, padding included
         self._pool = _BufferPool(device)
         self.full = [self._unallocated(b.numel) for b in layout.buckets]
+        # Each unit's parameters as views of its full buffer, made once per buffer (a buffer
+        # keeps its storage object when its memory is drained and filled again), and the one
+        # empty tensor every released parameter shows: a unit's host work per use is then
+        # one assignment per parameter.
+        self._views: list[list[torch.Tensor] | None] = [None] * len(layout.buckets)
+        self._empty = torch.empty(0, dtype=dtype, device=device)
         self.status = [ParamStatus.SHARDED] * len(layout.buckets)
         self._live_numel = 0  # elements of sharded units not SHARDED (see live_numel)
         self.handles: list = [None] * len(layout.buckets)
@@ -306,12 +312,22 @@ class ShardedParams:
         return True
 
     def _attach(self, unit: int) -> None:
-        bucket, full = self.layout.buckets[unit], self.full[unit]
-        for slot in bucket.slots:
-            param, place = self.params[slot], self.layout.slots[slot]
-            start = place.offset - bucket.start
-            param.data = full[start : start + place.numel].view(param.ds_shape)
+        bucket = self.layout.buckets[unit]
+        for slot, view in zip(bucket.slots, self._views_of(unit), strict=True):
+            self.params[slot].data = view
         self._set_status(unit, ParamStatus.AVAILABLE)
+
+    def _views_of(self, unit: int) -> list[torch.Tensor]:
+        views = self._views[unit]
+        if views is None:
+            bucket, full = self.layout.buckets[unit], self.full[unit]
+            views = []
+            for slot in bucket.slots:
+                place = self.layout.slots[slot]
+                start = place.offset - bucket.start
+                views.append(full[start : start + place.numel].view(self.params[slot].ds_shape))
+            self._views[unit] = views
+        return views
 
     def release(self, unit: int) -> None:
         """Free ``unit``'s full buffer unless it is persistent or held."""
@@ -320,8 +336,7 @@ class ShardedParams:
         if self.status[unit] == ParamStatus.GATHERING:
             self.wait(unit)  # the collective must complete on every rank
         for slot in self.layout.buckets[unit].slots:
-            param = self.params[slot]
-            param.data = torch.empty(0, dtype=self.dtype, device=self.device)
+            self.params[slot].data = self._empty
         self._pool.drain(self.full[unit].untyped_storage())
         self._set_status(unit, ParamStatus.SHARDED)
 
@@ -345,8 +360,7 @@ class ShardedParams:
         if slot in self._standing:
             self._standing.discard(slot)
             if self.status[self.layout.slots[slot].bucket] == ParamStatus.SHARDED:
-                param = self.params[slot]
-                param.data = torch.empty(0, dtype=self.dtype, device=self.device)
+                self.params[slot].data = self._empty
 
     def drop_stand_ins(self) -> None:
         """Every stand-in still up: a gradient that never reached its accumulation (an
@@ -457,6 +471,7 @@ class ShardedParams:
                 param.data = param.data.clone()
                 unmark(param)
             self.full[unit] = self._unallocated(0)
+            self._views[unit] = None
         self._pool.clear()
         self.shard = self.shard[:0]
         if self.swap is not None:
