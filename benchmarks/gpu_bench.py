@@ -3,13 +3,14 @@ what offload to host memory costs and saves (issue 14's and issue 11's GPU figur
 
 Run from the repo root: ``python benchmarks/gpu_bench.py [--model gpt2|42m|small] [--batch 8]
 [--gas 1] [--steps 20] [--warmup 5] [--rounds 2] [--systems NAME...] [--budget-s S]
-[--count-syncs] [--profile] [--phases] [--cpu-as-gpu]``; on a
+[--count-syncs] [--profile] [--phases] [--cpu-as-gpu] [--interleaved]``; on a
 lent GPU, ``benchmarks/gpu_check.sh`` runs it after the CUDA tests.
 
 Every row trains the same GPT (``zerolap/demo/gpt.py``; ``gpt2`` is GPT-2 small's shape: 12
 layers, d_model 768, 12 heads, 1024 tokens, vocabulary 50,304, 124M parameters) from the same
 seed on the same batches, in bf16 with fp32 master weights and torch's fused AdamW (lr 1e-4,
-weight decay 0.01), each in a fresh process, the rows alternating order round by round:
+weight decay 0.01), each in a fresh process, the rows alternating order round by round (or,
+``--interleaved``, all in one process per round, taking turns step by step):
 
 * ``plain``: PyTorch alone, the same arithmetic as zerolap's bf16 step: bf16 parameters, fp32
   master copies stepped by fused AdamW on fp32 copies of the gradients, the bf16 parameters
@@ -39,7 +40,7 @@ arithmetic is small: on a CPU its step time over plain's is mostly the framework
 per step, what a GPU waits for when its kernels are shorter than the host's bookkeeping (stage
 3's per-layer gathers, reductions and hooks). ``--profile`` says where the time went: where
 the device sat idle, by the phase of the step whose host work ended the wait, and what it ran
-in each phase, kernel by kernel (two rows' backwards compared so); ``--phases``
+in each phase, kernel by kernel, so that two rows' phases can be compared; ``--phases``
 times each phase on the host and on the device with CUDA events, light enough to run beside the
 timings.
 
@@ -229,16 +230,17 @@ class _Engine:
 
 
 def _row(rank: int, *job_port_results) -> None:
-    """One row in this fresh process: ``_measure(*job)``, its result (or its traceback) put on
+    """One row in this fresh process (or, ``--interleaved``, every row): ``measure(*job)``
+    with the job's first item as ``measure``, its result (or its traceback) put on
     ``results``."""
     import os
 
-    *job, port, results = job_port_results
+    measure, *job, port, results = job_port_results
     os.environ.update(
         RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     try:
-        results.put((rank, True, _measure(*job)))
+        results.put((rank, True, measure(*job)))
     except BaseException:
         import traceback
 
@@ -259,39 +261,12 @@ def _measure(
 ) -> Row:
     import torch
 
-    from zerolap.demo.gpt import GPT, GPTConfig, synthetic_batch
+    from zerolap.demo.gpt import synthetic_batch
 
-    framework, stage, offload, blocks = SYSTEMS[system]
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    cfg = GPTConfig(**MODELS[model_name])
-    torch.manual_seed(0)
-    model = GPT(cfg).to(device=device, dtype=torch.bfloat16)
-    if framework == "torch":
-        trainer = _Plain(model, torch)
-    else:
-        if framework == "deepspeed":
-            import deepspeed
-
-            if "+zerolap" in deepspeed.__version__:
-                raise RuntimeError("import deepspeed reaches zerolap's shim, not DeepSpeed")
-        else:
-            import zerolap as deepspeed
-
-            if cpu_as_gpu and not cuda:  # this row's process only
-                import zerolap.accelerator
-
-                zerolap.accelerator.runs_apart = lambda device: True
-        config = _config(stage, offload, batch, gas, model_name)
-        if blocks:
-            config["zero_optimization"]["stage3_module_granularity_threshold"] = _block_size(model)
-        engine, *_ = deepspeed.initialize(
-            model=model,
-            model_parameters=model.parameters(),
-            config=config,
-        )
-        trainer = _Engine(engine, deepspeed.zero.GatheredParameters)
+    trainer, cfg = _trainer(system, model_name, batch, gas, cpu_as_gpu, device)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     step_s, losses = [], []
@@ -343,6 +318,96 @@ def _measure(
     )
 
 
+def _trainer(system: str, model_name: str, batch: int, gas: int, cpu_as_gpu: bool, device):
+    """``system``'s trainer of the GPT (seeded alike for every system), and the GPT's config."""
+    import torch
+
+    from zerolap.demo.gpt import GPT, GPTConfig
+
+    framework, stage, offload, blocks = SYSTEMS[system]
+    cfg = GPTConfig(**MODELS[model_name])
+    torch.manual_seed(0)
+    model = GPT(cfg).to(device=device, dtype=torch.bfloat16)
+    if framework == "torch":
+        return _Plain(model, torch), cfg
+    if framework == "deepspeed":
+        import deepspeed
+
+        if "+zerolap" in deepspeed.__version__:
+            raise RuntimeError("import deepspeed reaches zerolap's shim, not DeepSpeed")
+    else:
+        import zerolap as deepspeed
+
+        if cpu_as_gpu and device.type == "cpu":  # this process only
+            import zerolap.accelerator
+
+            zerolap.accelerator.runs_apart = lambda device: True
+    config = _config(stage, offload, batch, gas, model_name)
+    if blocks:
+        config["zero_optimization"]["stage3_module_granularity_threshold"] = _block_size(model)
+    engine, *_ = deepspeed.initialize(
+        model=model,
+        model_parameters=model.parameters(),
+        config=config,
+    )
+    return _Engine(engine, deepspeed.zero.GatheredParameters), cfg
+
+
+def _interleaved(
+    systems: list[str],
+    model_name: str,
+    batch: int,
+    gas: int,
+    steps: int,
+    warmup: int,
+    cpu_as_gpu: bool = False,
+) -> dict[str, Row]:
+    """``--interleaved``: every system in this one process, taking turns step by step (the
+    order turned by one each step), so that each measured step of a system and the steps of
+    the others around it run on a host in the same state: a lent machine's host speed moves
+    by up to 2x from one process to the next, which rows in separate processes carry into
+    their ratios. Peak memory is the process's, every system's together."""
+    import torch
+
+    from zerolap.demo.gpt import synthetic_batch
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    trainers = {}
+    for name in systems:
+        trainers[name], cfg = _trainer(name, model_name, batch, gas, cpu_as_gpu, device)
+    step_s: dict[str, list[float]] = {name: [] for name in systems}
+    losses: dict[str, list[float]] = {name: [] for name in systems}
+    for step in range(warmup + steps):
+        micro_batches = [
+            tuple(t.to(device) for t in synthetic_batch(cfg, batch, seed=step * gas + m))
+            for m in range(gas)
+        ]
+        turn = step % len(systems)
+        for name in systems[turn:] + systems[:turn]:
+            sync()
+            start = time.perf_counter()
+            losses[name].append(trainers[name].train_step(micro_batches))
+            sync()
+            if step >= warmup:
+                step_s[name].append(time.perf_counter() - start)
+    peak_device = torch.cuda.max_memory_allocated(device) if cuda else 0
+    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    name_of_device = torch.cuda.get_device_name(device) if cuda else "cpu (no accelerator)"
+    return {
+        name: Row(
+            step_s=step_s[name],
+            losses=losses[name],
+            param_sums=trainers[name].param_sums(),
+            peak_device_bytes=peak_device,
+            peak_rss_bytes=peak_rss,
+            device=name_of_device,
+        )
+        for name in systems
+    }
+
+
 def _block_size(model) -> int:
     """The granularity (DeepSpeed's measure, which both compute alike) of the GPT's blocks: as
     ``stage3_module_granularity_threshold`` it gathers each block whole, with one collective."""
@@ -366,31 +431,33 @@ def _start_profiling(stack: contextlib.ExitStack, torch, cuda: bool):
 
 
 def _profile_summary(ops, python: cProfile.Profile, wall_s: float, steps: int) -> str:
-    """The device's busy share of the steps (kernel time over wall time: below 1 the host or
-    a wait held it up), the ops taking most host time, and the Python functions."""
+    """The device's busy share of the steps (its work over wall time: below 1 the host or a
+    wait held it up), where it waited and what it ran (``_device_time``), the ops taking most
+    host time, and the Python functions."""
     averages = ops.key_averages()
-    kernel_s = sum(getattr(e, "self_device_time_total", 0) for e in averages) / 1e6
     out = io.StringIO()
     stats = pstats.Stats(python, stream=out)
     stats.sort_stats("tottime").print_stats(25)
     try:
-        idle = _device_time(ops.profiler.kineto_results.events(), steps)
+        device, work_s = _device_time(ops.profiler.kineto_results.events(), steps)
     except Exception as error:  # a diagnosis: its failure must not hide the rest
-        idle = f"device time: not read ({type(error).__name__}: {error})"
+        device, work_s = f"device time: not read ({type(error).__name__}: {error})", 0.0
     return (
-        f"kernels {kernel_s / steps * 1e3:.2f} ms a step, {kernel_s / wall_s:.0%} of the "
-        f"steps' wall time (profiled, so slower than the timing rows)\n{idle}\n"
+        f"device work {work_s / steps * 1e3:.2f} ms a step, {work_s / wall_s:.0%} of the "
+        f"steps' wall time (profiled, so slower than the timing rows)\n{device}\n"
         f"{averages.table(sort_by='self_cpu_time_total', row_limit=20)}\n{out.getvalue()}"
     )
 
 
-def _device_time(events, steps: int, largest: int = 12) -> str:
-    """Where the device waited for the host, and what it ran: each gap between the device's
-    work (kernels and copies, all streams merged) is put on the host op that launched the work
-    ending it, and on the phase of the step (forward, backward, step) that op ran in; each
-    kernel or copy's time is put on the phase its launching op ran in, by name, so that two
-    rows' phases compare kernel by kernel. The device's wait across the start of a forward
-    (since the last step's sync, for the loop) is not counted."""
+def _device_time(events, steps: int, largest: int = 12) -> tuple[str, float]:
+    """Where the device waited for the host, and what it ran; and the seconds of its work.
+    Each gap between the device's work (kernels and copies, all streams merged) is put on the
+    host op that launched the work ending it, and on the phase of the step (forward,
+    backward, step) that op ran in. Each kernel or copy's time is put on the phase its
+    launching op ran in, by name, so that two rows' phases can be compared kernel by kernel
+    (summed over streams: where streams overlap, busy time rather than wall time). The
+    device's wait across the start of a forward (since the last step's sync, for the loop)
+    is not counted."""
     cpu = [e for e in events if e.device_type().name == "CPU"]
     phases = sorted((e.start_ns(), e.end_ns(), e.name()) for e in cpu if e.name() in PHASES)
     launcher = {e.correlation_id(): e for e in cpu}
@@ -405,7 +472,7 @@ def _device_time(events, steps: int, largest: int = 12) -> str:
         key=lambda w: w[:2],
     )
     if not work or not phases:
-        return "device time: no device work recorded"
+        return "device time: no device work recorded", 0.0
     forwards = [p[0] for p in phases if p[2] == "forward"]
 
     def phase_of(t: int) -> str:
@@ -453,7 +520,7 @@ def _device_time(events, steps: int, largest: int = 12) -> str:
                 f"  {ms / steps:7.3f} ms {n / steps:6.1f}x  {k[:90]}"
                 for ms, n, k in kernels[:largest]
             )
-    return "\n".join(lines)
+    return "\n".join(lines), sum(ms for ms, _ in ran.values()) / 1e3
 
 
 def _parse(argv):
@@ -492,13 +559,52 @@ def _parse(argv):
         "host work on the CPU proxy (--model thin)",
     )
     parser.add_argument(
+        "--interleaved",
+        action="store_true",
+        help="run every system in one process per round, taking turns step by step, so that "
+        "the host's speed, which moves between processes, is every row's alike (zerolap's and "
+        "plain's rows; peak memory is then the process's, all rows together)",
+    )
+    parser.add_argument(
         "--budget-s",
         type=float,
         default=None,
         help="start no row after this many seconds (a lent GPU's time is short); the table "
         "then holds the rows measured so far",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.interleaved:
+        diagnoses = [f for f in ("count_syncs", "profile", "phases") if getattr(args, f)]
+        if diagnoses:
+            parser.error(f"--interleaved times whole steps only, not --{diagnoses[0]}")
+        if any(SYSTEMS[s][0] == "deepspeed" for s in args.systems):
+            parser.error("--interleaved runs zerolap's and plain's rows (DeepSpeed's own "
+                         "import cannot share a process with zerolap's)")  # fmt: skip
+    return args
+
+
+def _run_interleaved(args, systems: list[str], runs: dict[str, list[Row]]) -> None:
+    """``--interleaved``: each round one process running every system by turns."""
+    began = time.monotonic()
+    for rnd in range(args.rounds):
+        timeout = TIMEOUT_S * len(systems)
+        if args.budget_s is not None:
+            left = args.budget_s - (time.monotonic() - began)
+            if left <= 0:
+                return
+            timeout = min(timeout, left + 60)
+        job = (
+            _interleaved, systems, args.model, args.batch, args.gas, args.steps, args.warmup,
+            args.cpu_as_gpu,
+        )  # fmt: skip
+        rows = spawn(1, _row, job, timeout)[0]
+        for name in systems:
+            runs[name].append(rows[name])
+            print(
+                f"round {rnd + 1}, {name}: {statistics.median(rows[name].step_s) * 1e3:.1f} ms "
+                f"on {rows[name].device} (interleaved)",
+                flush=True,
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -507,7 +613,9 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[Row]] = {name: [] for name in systems}
     errors: dict[str, str] = {}
     began = time.monotonic()
-    for rnd in range(args.rounds):
+    if args.interleaved:
+        _run_interleaved(args, systems, runs)
+    for rnd in range(0 if args.interleaved else args.rounds):
         order = systems if rnd % 2 == 0 else list(reversed(systems))
         for name in order:
             if name in errors:
@@ -520,7 +628,7 @@ def main(argv: list[str] | None = None) -> int:
                 timeout = min(timeout, left + 60)  # a row started now may finish a minute late
             try:
                 job = (
-                    name, args.model, args.batch, args.gas, args.steps, args.warmup,
+                    _measure, name, args.model, args.batch, args.gas, args.steps, args.warmup,
                     args.count_syncs, args.profile, args.phases, args.cpu_as_gpu,
                 )  # fmt: skip
                 row = spawn(1, _row, job, timeout)[0]
@@ -545,6 +653,11 @@ def main(argv: list[str] | None = None) -> int:
         f"{plain[0].device}; median of "
         f"{args.steps} steps x up to {args.rounds} rounds after {args.warmup} warm-up steps"
         + ("; zerolap on its GPU paths (--cpu-as-gpu)" if args.cpu_as_gpu else "")
+        + (
+            "; every row in one process per round, by turns (peak memory: all rows together)"
+            if args.interleaved
+            else ""
+        )
     )
     syncs = f" {'syncs/step':>10}" if args.count_syncs else ""
     print(f"{'system':10} {'step':>9} {'vs plain':>9} {'target':>7} {'peak device':>12} "

@@ -138,8 +138,9 @@ class ShardedParams:
         self.full = [self._unallocated(b.numel) for b in layout.buckets]
         # Each unit's parameters as views of its full buffer, made once per buffer (a buffer
         # keeps its storage object when its memory is drained and filled again), and the one
-        # empty tensor every released parameter shows: a unit's host work per use is then
-        # one assignment per parameter.
+        # empty tensor every released parameter shows (its storage shared: a resize_ of one
+        # released parameter's storage would give them all that memory; nothing here does
+        # one): a unit's host work per use is then one assignment per parameter.
         self._views: list[list[torch.Tensor] | None] = [None] * len(layout.buckets)
         self._empty = torch.empty(0, dtype=dtype, device=device)
         self.status = [ParamStatus.SHARDED] * len(layout.buckets)
