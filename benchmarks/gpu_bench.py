@@ -261,8 +261,6 @@ def _measure(
 ) -> Row:
     import torch
 
-    from zerolap.demo.gpt import synthetic_batch
-
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -275,10 +273,7 @@ def _measure(
     timed: list[dict[str, tuple[float, float]]] = []  # --phases, per measured step
     with profiling, warnings.catch_warnings(record=counting) as caught:
         for step in range(warmup + steps):
-            micro_batches = [
-                tuple(t.to(device) for t in synthetic_batch(cfg, batch, seed=step * gas + m))
-                for m in range(gas)
-            ]
+            micro_batches = _micro_batches(cfg, batch, gas, step, device)
             sync()
             if counting and step == warmup:
                 warnings.simplefilter("always")
@@ -316,6 +311,16 @@ def _measure(
         if timed
         else None,
     )
+
+
+def _micro_batches(cfg, batch: int, gas: int, step: int, device) -> list[tuple]:
+    """Step ``step``'s micro-batches on ``device``: the same for every row."""
+    from zerolap.demo.gpt import synthetic_batch
+
+    return [
+        tuple(t.to(device) for t in synthetic_batch(cfg, batch, seed=step * gas + m))
+        for m in range(gas)
+    ]
 
 
 def _trainer(system: str, model_name: str, batch: int, gas: int, cpu_as_gpu: bool, device):
@@ -369,8 +374,6 @@ def _interleaved(
     their ratios. Peak memory is the process's, every system's together."""
     import torch
 
-    from zerolap.demo.gpt import synthetic_batch
-
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -380,10 +383,7 @@ def _interleaved(
     step_s: dict[str, list[float]] = {name: [] for name in systems}
     losses: dict[str, list[float]] = {name: [] for name in systems}
     for step in range(warmup + steps):
-        micro_batches = [
-            tuple(t.to(device) for t in synthetic_batch(cfg, batch, seed=step * gas + m))
-            for m in range(gas)
-        ]
+        micro_batches = _micro_batches(cfg, batch, gas, step, device)
         turn = step % len(systems)
         for name in systems[turn:] + systems[:turn]:
             sync()
