@@ -41,8 +41,8 @@ per step, what a GPU waits for when its kernels are shorter than the host's book
 3's per-layer gathers, reductions and hooks). ``--profile`` says where the time went: where
 the device sat idle, by the phase of the step whose host work ended the wait, and what it ran
 in each phase, kernel by kernel, so that two rows' phases can be compared; ``--phases``
-times each phase on the host and on the device with CUDA events, light enough to run beside the
-timings.
+times each phase on the host and, on a GPU, on the device with CUDA events, light enough to run
+beside the timings (with ``--interleaved`` too).
 
 Without an accelerator it runs on CPU (gloo) and says so: a check that the script works, whose
 figures say nothing about GPUs (offload to host memory then moves nothing).
@@ -100,7 +100,7 @@ class Row:
     device: str
     syncs_per_step: float | None = None  # --count-syncs: implicit host syncs, measured steps
     profile: str | None = None  # --profile: where the measured steps' host and device time went
-    phases: dict[str, tuple[float, float]] | None = None  # --phases: median host, device s
+    phases: dict[str, tuple[float, float | None]] | None = None  # --phases: median host, device s
     param_sums: list[float] | None = None  # each final parameter's sum, in float64
 
 
@@ -136,39 +136,58 @@ PHASES = ("forward", "backward", "step")
 
 class _PhaseTimer:
     """``--phases``: each phase of a step, timed on the host (from entering it to leaving it)
-    and on the device (between CUDA events recorded as the host enters and leaves it: the
-    device's time from finishing the work queued before the phase to finishing the phase's,
-    its waits for the host's launches included). A phase whose device time exceeds its
-    kernels' is one the host held up; against plain's, each phase's device time says where
-    a row's extra step time went. Events cost microseconds: the timing rows run without."""
+    and, on a GPU, on the device (between CUDA events recorded as the host enters and leaves
+    it: the device's time from finishing the work queued before the phase to finishing the
+    phase's, its waits for the host's launches included). A phase whose device time exceeds
+    its kernels' is one the host held up; against plain's, each phase's device time says where
+    a row's extra step time went. On the CPU proxy the host's time is the whole story. Events
+    cost microseconds: the timing rows run without."""
 
-    def __init__(self, torch) -> None:
-        self.torch = torch
+    def __init__(self, torch, cuda: bool) -> None:
+        self.torch, self.cuda = torch, cuda
         self.marks: dict[str, list] = {}
 
     @contextlib.contextmanager
     def __call__(self, name: str):
-        begin = self.torch.cuda.Event(enable_timing=True)
-        end = self.torch.cuda.Event(enable_timing=True)
-        begin.record()
+        events = None
+        if self.cuda:
+            events = [self.torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            events[0].record()
         start = time.perf_counter()
         try:
             yield
         finally:
             host = time.perf_counter() - start
-            end.record()
-            self.marks.setdefault(name, []).append((host, begin, end))
+            if events is not None:
+                events[1].record()
+            self.marks.setdefault(name, []).append((host, events))
 
-    def spans(self) -> dict[str, tuple[float, float]]:
+    def spans(self) -> dict[str, tuple[float, float | None]]:
         """After the step's sync: per phase, host and device seconds (summed over the step's
-        micro-batches)."""
+        micro-batches; the device's None without a GPU)."""
         return {
             name: (
-                sum(h for h, _, _ in self.marks.get(name, [])),
-                sum(b.elapsed_time(e) / 1e3 for _, b, e in self.marks.get(name, [])),
+                sum(host for host, _ in self.marks.get(name, [])),
+                sum(e[0].elapsed_time(e[1]) / 1e3 for _, e in self.marks.get(name, []))
+                if self.cuda
+                else None,
             )
             for name in PHASES
         }
+
+
+def _median_phases(timed: list[dict]) -> dict[str, tuple[float, float | None]] | None:
+    """Per phase, the median host and device seconds of the measured steps' spans."""
+    if not timed:
+        return None
+    on_device = timed[0][PHASES[0]][1] is not None
+    return {
+        name: (
+            statistics.median(t[name][0] for t in timed),
+            statistics.median(t[name][1] for t in timed) if on_device else None,
+        )
+        for name in PHASES
+    }
 
 
 class _Plain:
@@ -284,8 +303,8 @@ def _measure(
             start = time.perf_counter()
             phase = torch.profiler.record_function if profilers else _unmarked
             # (Not with --profile, which marks the phases for its own account of them.)
-            timed_step = phases and cuda and step >= warmup and not profilers
-            timer = _PhaseTimer(torch) if timed_step else None
+            timed_step = phases and step >= warmup and not profilers
+            timer = _PhaseTimer(torch, cuda) if timed_step else None
             losses.append(trainer.train_step(micro_batches, timer or phase))
             sync()
             if step >= warmup:
@@ -304,12 +323,7 @@ def _measure(
         device=torch.cuda.get_device_name(device) if cuda else "cpu (no accelerator)",
         syncs_per_step=found / steps if counting else None,
         profile=_profile_summary(*profilers, sum(step_s), steps) if profilers else None,
-        phases={
-            name: tuple(statistics.median(t[name][i] for t in timed) for i in (0, 1))
-            for name in PHASES
-        }
-        if timed
-        else None,
+        phases=_median_phases(timed),
     )
 
 
@@ -366,6 +380,7 @@ def _interleaved(
     steps: int,
     warmup: int,
     cpu_as_gpu: bool = False,
+    phases: bool = False,
 ) -> dict[str, Row]:
     """``--interleaved``: every system in this one process, taking turns step by step (the
     order turned by one each step), so that each measured step of a system and the steps of
@@ -382,16 +397,20 @@ def _interleaved(
         trainers[name], cfg = _trainer(name, model_name, batch, gas, cpu_as_gpu, device)
     step_s: dict[str, list[float]] = {name: [] for name in systems}
     losses: dict[str, list[float]] = {name: [] for name in systems}
+    timed: dict[str, list[dict]] = {name: [] for name in systems}  # --phases
     for step in range(warmup + steps):
         micro_batches = _micro_batches(cfg, batch, gas, step, device)
         turn = step % len(systems)
         for name in systems[turn:] + systems[:turn]:
+            timer = _PhaseTimer(torch, cuda) if phases and step >= warmup else None
             sync()
             start = time.perf_counter()
-            losses[name].append(trainers[name].train_step(micro_batches))
+            losses[name].append(trainers[name].train_step(micro_batches, timer or _unmarked))
             sync()
             if step >= warmup:
                 step_s[name].append(time.perf_counter() - start)
+            if timer is not None:
+                timed[name].append(timer.spans())
     peak_device = torch.cuda.max_memory_allocated(device) if cuda else 0
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     name_of_device = torch.cuda.get_device_name(device) if cuda else "cpu (no accelerator)"
@@ -403,6 +422,7 @@ def _interleaved(
             peak_device_bytes=peak_device,
             peak_rss_bytes=peak_rss,
             device=name_of_device,
+            phases=_median_phases(timed[name]),
         )
         for name in systems
     }
@@ -548,8 +568,8 @@ def _parse(argv):
     parser.add_argument(
         "--phases",
         action="store_true",
-        help="on a GPU, time each phase of the measured steps (forward, backward, step) on "
-        "the host and on the device (CUDA events) and print them after the table",
+        help="time each phase of the measured steps (forward, backward, step) on the host "
+        "and, on a GPU, on the device (CUDA events), and print them after the table",
     )
     parser.add_argument(
         "--cpu-as-gpu",
@@ -574,7 +594,7 @@ def _parse(argv):
     )
     args = parser.parse_args(argv)
     if args.interleaved:
-        diagnoses = [f for f in ("count_syncs", "profile", "phases") if getattr(args, f)]
+        diagnoses = [f for f in ("count_syncs", "profile") if getattr(args, f)]
         if diagnoses:
             parser.error(f"--interleaved times whole steps only, not --{diagnoses[0]}")
         if any(SYSTEMS[s][0] == "deepspeed" for s in args.systems):
@@ -595,7 +615,7 @@ def _run_interleaved(args, systems: list[str], runs: dict[str, list[Row]]) -> No
             timeout = min(timeout, left + 60)
         job = (
             _interleaved, systems, args.model, args.batch, args.gas, args.steps, args.warmup,
-            args.cpu_as_gpu,
+            args.cpu_as_gpu, args.phases,
         )  # fmt: skip
         rows = spawn(1, _row, job, timeout)[0]
         for name in systems:
@@ -687,14 +707,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     timed = {name: [r.phases for r in runs[name] if r.phases] for name in systems}
     if any(timed.values()):
-        print("\nphases, median ms (host / device):")
+        on_device = next(rows for rows in timed.values() if rows)[0][PHASES[0]][1] is not None
+        print(f"\nphases, median ms ({'host / device' if on_device else 'host'}):")
         for name, rows in timed.items():
             if rows:
-                cells = [
-                    f"{p} {statistics.median(r[p][0] for r in rows) * 1e3:5.2f} / "
-                    f"{statistics.median(r[p][1] for r in rows) * 1e3:5.2f}"
-                    for p in PHASES
-                ]
+                cells = []
+                for p in PHASES:
+                    cell = f"{p} {statistics.median(r[p][0] for r in rows) * 1e3:5.2f}"
+                    if on_device:
+                        cell += f" / {statistics.median(r[p][1] for r in rows) * 1e3:5.2f}"
+                    cells.append(cell)
                 print(f"{name:10} " + ", ".join(cells))
     for name in systems:
         for row in runs[name]:

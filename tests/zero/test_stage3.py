@@ -274,6 +274,49 @@ def test_prefetch_follows_the_recorded_order(ranks, case):
         assert deltas[1:] == [later, later], deltas
 
 
+class SplitInTwo(torch.nn.Module):
+    """One unit whose forward returns two tensors, each needing a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(32, 64) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x @ self.weight).chunk(2, dim=-1)
+
+
+class TwoOutputs(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.split, self.last = (
+            torch.nn.Linear(32, 32),
+            SplitInTwo(),
+            torch.nn.Linear(32, 32),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.split(torch.tanh(self.first(x)))
+        return self.last(a * torch.tanh(b))
+
+
+def fetches_per_step_with_two_outputs() -> list[int]:
+    engine, *_ = zerolap.initialize(model=TwoOutputs(), config=config(stage3_max_reuse_distance=0))
+    counts, before = [], 0
+    for step in range(3):
+        train_step(engine, step)
+        counts.append(engine.fetch_stats()["fetches"] - before)
+        before += counts[-1]
+    assert engine.fetch_stats()["trace_misses"] == 0
+    return counts
+
+
+def test_a_module_with_two_outputs_is_fetched_once_for_its_backward(ranks):
+    """Both outputs' gradients reach the module's backward; its unit is fetched at the first
+    (three units: three fetches in forward, three in backward)."""
+    assert ranks(2).run(fetches_per_step_with_two_outputs, timeout=TIMEOUT) == [[6, 6, 6]] * 2
+
+
 def check_prefetch_at_the_end_of_step(zero: dict) -> list[str]:
     """Per step, the status of the record's first unit between step() and the next forward."""
     engine, *_ = zerolap.initialize(model=chain(layers=4), config=config(**zero))

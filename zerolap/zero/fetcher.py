@@ -62,6 +62,29 @@ class FetchStats:
         return asdict(self)
 
 
+def _at_first_gradient(tensors: list[torch.Tensor], fn) -> None:
+    """Call ``fn()`` once in each backward, when the first of ``tensors``' gradients is
+    computed: what ``register_multi_grad_hook(mode="any")`` does, which every hooked module
+    pays in every forward, at less than half its host cost (4.4 µs against 10.1 for one
+    tensor, 8.7 against 37.6 for two, on this 2-core host)."""
+    if len(tensors) == 1:  # one gradient per backward: nothing to tell apart
+
+        def hook(grad: torch.Tensor) -> None:
+            fn()
+
+    else:
+        backwards: set[int] = set()  # the graph tasks it was called in
+
+        def hook(grad: torch.Tensor) -> None:
+            task = torch._C._current_graph_task_id()
+            if task not in backwards:
+                backwards.add(task)
+                fn()
+
+    for tensor in tensors:
+        tensor.register_hook(hook)
+
+
 class ParamFetcher:
     def __init__(
         self,
@@ -401,9 +424,7 @@ class ParamFetcher:
                     if isinstance(t, torch.Tensor) and t.requires_grad
                 ]
                 if needs_grad:
-                    torch.autograd.graph.register_multi_grad_hook(
-                        needs_grad, lambda grads: self._fetch(units, backward=True), mode="any"
-                    )
+                    _at_first_gradient(needs_grad, lambda: self._fetch(units, backward=True))
 
         return hook
 
