@@ -6,9 +6,12 @@
 #   run(command="bash benchmarks/gpu_check.sh", carry=[".whl"], timeout_s=360)
 #   run(command="bash benchmarks/gpu_check.sh ds syncs", carry=[".whl"], timeout_s=360)
 #
-# Passes, as named in the arguments (default: tests zerolap gas):
+# Passes, as named in the arguments (default: tests interleaved zerolap gas):
 #   tests    the CUDA paths' values (tests/cuda: ZeRO stages and offload on NCCL, tensor
 #            parallelism's backward overlap on CUDA streams, a checkpoint from the GPU)
+#   interleaved  plain PyTorch against zerolap's stages 0-3 in one process per round, taking
+#            turns step by step (the ratios against plain: a lent host's speed moves between
+#            processes), with each phase's host and device time
 #   zerolap  plain PyTorch against zerolap at every stage and with offload (issues 14 and 11),
 #            with each phase's host and device time (--phases)
 #   gas      the offload rows with 4 micro-batches a step (accumulation's host additions)
@@ -25,7 +28,7 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_check}
 BUDGET_S=${BUDGET_S:-300}
-PASSES=${*:-tests zerolap gas}
+PASSES=${*:-tests interleaved zerolap gas}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 if ! ls .whl/*.whl >/dev/null 2>&1; then
@@ -62,6 +65,9 @@ for pass in $PASSES; do
     tests)  # each test at most 100 s; -v names them as they end
         timeout 300 python3 -m pytest -v -rA -p no:cacheprovider --timeout 100 \
             --junitxml "$OUT/cuda_tests.xml" tests/cuda 2>&1 | tee "$OUT/cuda_tests.log" ;;
+    interleaved)  # leaves 150 s for the per-row passes
+        bench gpu_bench_interleaved.log 150 --interleaved --phases --rounds 2 \
+            --systems plain z0 z1 z2 z3 z3-blocks ;;
     zerolap)  # leaves 60 s for the accumulation pass
         bench gpu_bench.log 60 --rounds 2 --phases \
             --systems plain z0 z1 z2 z3 z3-blocks z2-cpu z3-cpu ;;
