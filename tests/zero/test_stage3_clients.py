@@ -15,6 +15,7 @@ import torch.utils.checkpoint
 
 import zerolap
 import zerolap.comm as dist
+from tests.logs import captured_logs
 from zerolap.utils import set_z3_leaf_modules
 from zerolap.zero import GatheredParameters, Init, ZeroParamStatus, register_external_parameter
 
@@ -367,6 +368,110 @@ def test_a_parameter_read_without_calling_its_module_is_gathered(ranks):
         assert result["misses"] == 0  # the first step recorded the borrow; later ones agree
 
 
+# -- a parameter a module returns (Megatron's skip_bias_add) ----------------------------------
+
+
+class ReturnsItsBias(torch.nn.Linear):
+    """Megatron's ``skip_bias_add``: the output without the bias, and the bias (or a view of
+    it), which the caller adds (fused with what follows)."""
+
+    as_view = False
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        bias = self.bias.view(1, -1) if self.as_view else self.bias
+        return torch.nn.functional.linear(x, self.weight), bias
+
+
+class PassesTheBiasOn(torch.nn.Linear):
+    """Hooked for its own weight; returns its child's bias further up."""
+
+    def __init__(self) -> None:
+        super().__init__(8, 8)
+        self.inner = ReturnsItsBias(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.nn.Parameter]:
+        return self.inner(torch.tanh(super().forward(x)))
+
+
+class BiasUser(torch.nn.Module):
+    """No parameter of its own, so no module of its own is hooked around the use: the bias is
+    multiplied, so its backward reads the bias's values too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(8, 8)
+        self.block = PassesTheBiasOn()
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, bias = self.block(self.first(x))
+        return self.head(torch.tanh(out * bias + bias))
+
+
+def bias_user(as_view: bool = False) -> BiasUser:
+    torch.manual_seed(0)
+    model = BiasUser()
+    model.block.inner.as_view = as_view
+    return model
+
+
+def check_returned_parameter(as_view: bool) -> dict:
+    model = bias_user(as_view)
+    engine, *_ = zerolap.initialize(model=model, config=_config(stage3_max_reuse_distance=0))
+    fetcher = engine.fetcher
+    taking_over = fetcher.borrow
+
+    def out_of_memory(param):
+        raise torch.OutOfMemoryError("out of memory, say")
+
+    # The first hand-up fails (its gather, say), and the loop catches the error and goes on.
+    fetcher.borrow = out_of_memory
+    with pytest.raises(torch.OutOfMemoryError):
+        engine(_mine(_batch(0)[0]))
+    fetcher.borrow = taking_over
+    held_after_error = sum(fetcher.store.holds)
+    with captured_logs() as logs:
+        for step in range(4):
+            _train_step(engine, step)
+            if step == 0:  # evaluation through the engine, right after the record restarted
+                with torch.no_grad():
+                    engine(_mine(_batch(8)[0]))
+    misses = engine.fetch_stats()["trace_misses"]
+    bias = model.block.inner.bias
+    with torch.no_grad():  # the bare module, as a Trainer evaluates during training
+        evaluated = model(_batch(9)[0])
+    return {
+        "params": _whole(model.parameters()),
+        "evaluated": evaluated,
+        "registered": [p is bias for _, p in model.ds_external_parameters()],
+        "released": bias.ds_status == ZeroParamStatus.NOT_AVAILABLE,
+        "misses": misses,
+        "warnings": [line for line in logs if line.startswith("WARNING")],
+        "hooks": len(bias._backward_hooks or {}),
+        "held_after_error": held_after_error,
+    }
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+def test_a_parameter_a_module_returns_serves_its_caller(ranks, as_view):
+    reference = bias_user(as_view)
+    expected = _reference(lambda: bias_user(as_view), 4)
+    with torch.no_grad():
+        for param, value in zip(reference.parameters(), expected, strict=True):
+            param.copy_(value)
+        evaluated = reference(_batch(9)[0])
+    for result in ranks(2).run(check_returned_parameter, as_view, timeout=TIMEOUT):
+        assert _diff(result["params"], expected) < 1e-5
+        assert (result["evaluated"] - evaluated).abs().max().item() < 1e-5
+        # The root uses it (nothing hooked runs between), released when its forward ends.
+        assert result["registered"] == [True] and result["released"]
+        # The record restarted when the root took the unit over, the evaluation after it was
+        # recorded and the next training step went on past it: no step left the record.
+        assert result["misses"] == 0 and result["warnings"] == [], result["warnings"]
+        assert result["held_after_error"] == 0
+        assert result["hooks"] == 1  # the fetcher's own; none left by the forwards
+
+
 # -- a weight gathered by its user, in forward and again in backward (TRL's fused LM head) ------
 
 
@@ -526,7 +631,7 @@ class _Fallback(torch.nn.Module):
         super().__init__()
         self.fast = _Raises(8, 8)
         self.slow = torch.nn.Linear(8, 8)
-        self.scale = torch.nn.Parameter(torch.ones(8))  # the block's own: hooked on it
+        self.scale = torch.nn.Parameter(torch.ones(8))  # the block's own: held as it runs
         self.out = torch.nn.Linear(8, 1)
 
     def forward(self, x):

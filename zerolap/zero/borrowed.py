@@ -7,7 +7,9 @@ sharded and an empty tensor. Every module that owns sharded parameters gets, as 
 parameter that is not ``AVAILABLE`` gathers its unit on the spot and registers it as used by the
 running module (``zero.external``), so that from then on it is fetched, prefetched, held and
 released with that module, forward and backward. A read outside every module's forward (user
-code inspecting ``model.fc.weight``) gathers nothing. DeepSpeed notices these reads the same way.
+code inspecting ``model.fc.weight``) gathers nothing, nor does one in the root's own code when
+the root had no unit of its own to gather (``ParamFetcher.borrowing``). DeepSpeed notices these
+reads the same way.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ class WatchedParameters(dict):
     def __getitem__(self, key: str):
         param = dict.__getitem__(self, key)
         status = getattr(param, "ds_status", None)
-        if status is not None and status is not ParamStatus.AVAILABLE and self.fetcher.running:
+        if status is not None and status is not ParamStatus.AVAILABLE and self.fetcher.borrowing():
             self.fetcher.borrow(param)
         return param
 

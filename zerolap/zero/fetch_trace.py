@@ -5,7 +5,9 @@ backward's. The first step is recorded; later steps are compared with the record
 While they agree the fetcher knows what comes next and gathers it ahead; at the first
 disagreement (a branch taken this step only, a different graph in eval) the step is *off trace*:
 the rest of it fetches on demand, and the order it actually took becomes the record for the next
-step. A step that stops early (a forward without backward) is a prefix, not a disagreement.
+step. A step that stops early (a forward without backward) is a prefix, not a disagreement; a
+step that goes on past a record of a forward-only step (an evaluation through the engine) is an
+extension, and becomes the record.
 """
 
 from __future__ import annotations
@@ -26,11 +28,16 @@ class FetchTrace:
         self.misses = 0  # steps that left the record
         self._positions: dict[int, list[int]] = {}
         self._prefix: list[int] = [0]
+        self._discard = False  # whether this step's order is not the next one's (``restart``)
+        self._backward = False  # whether this step's backward has ended
+        self._recorded_backward = False  # whether the record's step had one
 
     def begin_step(self) -> None:
         """Close the step that ran (its order becomes the record if it left the old one)."""
-        if self.current and (self.recorded is None or not self.on_trace):
+        if self.current and not self._discard and (self.recorded is None or not self.on_trace):
             self._adopt(self.current)
+            self._recorded_backward = self._backward
+        self._discard = self._backward = False
         self.current = []
         self.on_trace = self.recorded is not None
 
@@ -45,14 +52,24 @@ class FetchTrace:
         """A training step ends with its backward. If it ran on trace but stopped short of the
         record, the record's tail (forwards that once followed a backward, such as a generation
         loop) is not part of training: drop it, or every later step would prefetch it."""
+        self._backward = True
         if self.on_trace and len(self.current) < len(self.recorded):
             self._adopt(self.current)
+            self._recorded_backward = True
+
+    def restart(self) -> None:
+        """A module's fetches changed during this step (it took over a unit it read or was
+        handed): the next step's order is not this one's, so the record goes and the next step
+        records afresh, neither comparing itself with this one nor adopting it."""
+        self.invalidate()
+        self._discard = True
 
     def invalidate(self) -> None:
         """Forget the record: the next step records afresh (after hooks were taken off and put
         back, the order may differ)."""
         self.recorded, self.on_trace = None, False
         self._positions, self._prefix = {}, [0]
+        self._recorded_backward = False
 
     # DeepSpeed's coordinator names, as TRL calls them.
     def is_invalid_trace(self) -> bool:
@@ -72,6 +89,11 @@ class FetchTrace:
         self.current.append(unit)
         if self.on_trace and (pos >= len(self.recorded) or self.recorded[pos] != unit):
             self.on_trace = False
+            if pos >= len(self.recorded) and not self._recorded_backward:
+                # The record is a forward-only step (an evaluation through the engine, the
+                # first step after a restart): a step that goes on past it, its backward
+                # included, departs from nothing and becomes the record.
+                return True
             self.misses += 1
             return False
         return True

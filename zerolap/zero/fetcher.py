@@ -12,6 +12,11 @@ Per module that needs units (``zero.units``):
   accumulated (and handed to the reducer); a frozen unit, once the gradients of the module's
   inputs are computed; ``finish_backward`` releases whatever is left.
 
+A parameter read while a module runs without calling its owner, or one a module returns, is
+taken over by the innermost hooked module running (``borrow``): fetched with that module's
+units from then on. The root runs hooked whatever it owns, to take over what is returned to
+it.
+
 The first units of a step are prefetched when the previous step's ``step()`` ends
 (``prefetch_next_step``), so that their gathers travel before the forward that needs them
 begins; without a step before it, a forward starts its own prefetch.
@@ -118,6 +123,11 @@ class ParamFetcher:
         self._first, self._agreeing = True, False
         self.module = module  # the root: DeepSpeed's offload object exposes it, TRL reads it
         self._units_of = {m: list(units) for m, units in fetch.items()}  # the lists hooks read
+        # The root runs hooked even with no parameter of its own: a parameter handed up
+        # (``_hand_up``) above every other hooked module needs a running module to hold it.
+        # Hooked for that alone, it borrows nothing that is read (``borrowing``).
+        self._bare_root = None if module in self._units_of else module
+        self._units_of.setdefault(module, [])
         # Every hook handle, in DeepSpeed's two lists: clients (TRL's generation) remove them
         # and put them back with _register_deepspeed_module, as they do DeepSpeed's.
         self.forward_hooks: list = []  # module pre/post forward hooks
@@ -137,9 +147,17 @@ class ParamFetcher:
         slots = self.store.layout.slots
         return [self.store.persistent[slots[i].bucket] for i in range(len(self.store.params))]
 
+    def borrowing(self) -> bool:
+        """Whether a sharded parameter read now is borrowed: inside a hooked module's forward,
+        but not in the root's own code when the root had no unit of its own to gather when
+        the engine was built (user code there, a hook reading a released weight, takes nothing
+        over, as before the root ran hooked)."""
+        return bool(self.running) and self.running[-1][0] is not self._bare_root
+
     def borrow(self, param: torch.nn.Parameter) -> None:
-        """``param`` was read, sharded, while ``self.running[-1]`` runs: from now on that
-        module uses it (held until its forward ends, fetched again for its backward)."""
+        """``param`` was read, sharded, or handed up (``_hand_up``) while ``self.running[-1]``
+        runs: from now on that module uses it (held until its forward ends, fetched again for
+        its backward)."""
         module, held = self.running[-1]
         unit = self.store.unit_of[id(param)]
         register_external_parameter(module, param)  # extends the unit lists its hooks read
@@ -176,6 +194,9 @@ class ParamFetcher:
             self._hook_module(module, self._units_of[module])
         elif unit not in units:
             units.append(unit)
+        else:
+            return
+        self.trace.restart()  # the module fetches one more unit from now on
 
     # -- step boundaries ----------------------------------------------------------------------
 
@@ -416,17 +437,47 @@ class ParamFetcher:
             # saves for the backward now running reads the units' memory, so they stay
             # gathered until their gradients arrive (as units gathered for a backward do).
             recompute = torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
-            self._let_go(self._unwind(module, release=not recompute), release=not recompute)
-            if torch.is_grad_enabled():
+            held = self._unwind(module, release=not recompute)
+            outputs = tree_leaves(output)
+            try:
+                self._hand_up(outputs)
+            finally:  # a gather that failed there (out of memory) must not keep these held
+                self._let_go(held, release=not recompute)
+            if torch.is_grad_enabled() and units:
+                # Not a leaf returned as it is (a parameter handed up, an input passed
+                # through): no backward of this module computes its gradient, and a hook on a
+                # leaf would stay on it for good.
                 needs_grad = [
                     t
-                    for t in tree_leaves(output)
-                    if isinstance(t, torch.Tensor) and t.requires_grad
+                    for t in outputs
+                    if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None
                 ]
                 if needs_grad:
                     _at_first_gradient(needs_grad, lambda: self._fetch(units, backward=True))
 
         return hook
+
+    def _hand_up(self, outputs: list) -> None:
+        """A module returned parameters, or views of them (Megatron's layers return their bias
+        for the caller to add, ``skip_bias_add``): the hooked module that called it, or the
+        nearest one above (the root at least), uses each from now on, as if it had read it
+        itself, so that its unit stays gathered while that module runs and is fetched again
+        for its backward."""
+        if not self.running:
+            return  # the module was called outside every hooked forward
+        held = self.running[-1][1]
+        unit_of = self.store.unit_of  # the store keeps its parameters alive: ids are theirs
+        for tensor in outputs:
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            # (By id: ``isinstance(x, Parameter)`` costs ~0.5 µs, every module, every forward.)
+            param, unit = tensor, unit_of.get(id(tensor))
+            if unit is None and tensor._base is not None:
+                # A view of a parameter reads its unit's memory as the parameter does.
+                param = tensor._base
+                unit = unit_of.get(id(param))
+            if unit is not None and not self.store.persistent[unit] and unit not in held:
+                self.borrow(param)
 
     def _unwind(self, module: torch.nn.Module, *, release: bool = True) -> list[int]:
         """``module``'s forward ended: its entry leaves ``running``, with those above it,
