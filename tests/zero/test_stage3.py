@@ -487,6 +487,25 @@ def test_changing_module_order_falls_back_to_on_demand(ranks):
         assert result["outputs"] < 1e-5 and result["params"] < 1e-5, result
 
 
+def misses_after_evaluating_first() -> tuple[int, list[str]]:
+    """An evaluation through the engine before the first training step: its forward-only step
+    is the first record, which the training step after it goes on past."""
+    engine, *_ = zerolap.initialize(model=chain(layers=4), config=config())
+    with captured_logs() as caught:
+        engine.eval()
+        with torch.no_grad():
+            engine(local_batch(0))
+        engine.train()
+        for step in range(3):
+            train_step(engine, step)
+    return engine.fetch_stats()["trace_misses"], [w for w in caught if w.startswith("WARNING")]
+
+
+def test_a_training_step_extends_a_record_an_evaluation_made(ranks):
+    for misses, warnings in ranks(2).run(misses_after_evaluating_first, timeout=TIMEOUT):
+        assert (misses, warnings) == (0, [])
+
+
 def gathers_per_step_around_a_generation_loop() -> list[int]:
     """All-gathers per training step; between the third and fourth step, a generation loop
     calls the model directly (``engine.module.generate``, as one calls a Hugging Face model's
