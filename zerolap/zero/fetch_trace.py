@@ -90,9 +90,9 @@ class FetchTrace:
         if self.on_trace and (pos >= len(self.recorded) or self.recorded[pos] != unit):
             self.on_trace = False
             if pos >= len(self.recorded) and not self._recorded_backward:
-                # The record is a forward-only step (an evaluation through the engine, the
-                # first step after a restart): a step that goes on past it, its backward
-                # included, departs from nothing and becomes the record.
+                # The record is a forward-only step (an evaluation through the engine, before
+                # the first training step or after a restart): a step that goes on past it,
+                # its backward included, departs from nothing and becomes the record.
                 return True
             self.misses += 1
             return False
