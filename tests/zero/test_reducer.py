@@ -109,6 +109,62 @@ def test_stage_2_holds_at_most_its_pool_of_bucket_buffers(overlap):
     assert storage.shard.tolist() == [1.0] * 40
 
 
+def _reduce_rounds(batched: bool, dtype: torch.dtype, pre: float):
+    """Four 3-element parameters in buckets (0, 1) and (2, 3), reduced by one backward made of
+    three: the first reaches parameter 0, the second 0 and 1 (0's second gradient comes before
+    its bucket is complete), the third 2 and 3 (bucket 1 completes while backward runs). What
+    the storage then holds, and the buckets in the order they were launched."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(3, dtype=dtype)) for _ in range(4)]
+    layout = build_layout([3] * 4, bucket_numel=6, world_size=1)
+    storage = ShardGradients(
+        layout, 0, dtype=torch.float32, comm_dtype=dtype, device="cpu", pre=pre
+    )
+    reduction = _Recorded()
+    reducer = GradReducer(params, layout, storage, reduction, overlap=True, batched=batched)
+    reducer.begin_cycle()
+    reducer.begin_backward(True)
+    weights = [torch.randn(3, dtype=dtype) for _ in range(4)]
+    (params[0] * weights[0]).sum().backward()
+    if batched:  # held, not written: bucket 0 still waits for parameter 1
+        assert storage._free == [] and reducer.buckets[0].buffer is None
+    (params[0] * params[1] * weights[1]).sum().backward()
+    (params[2] * weights[2] + params[3].square() * weights[3]).sum().backward()
+    assert reduction.launched == [0, 1]
+    reducer.finish_backward()
+    return storage.shard.clone(), reduction.launched
+
+
+@pytest.mark.parametrize(
+    ("dtype", "pre"), [(torch.float32, 1.0), (torch.float32, 0.25), (torch.bfloat16, 1 / 3)]
+)
+def test_stage_3_batched_writes_equal_the_gradients_written_one_by_one(dtype, pre):
+    """``batched`` (stage 3, whose buckets are modules' units): a bucket's gradients are held
+    until its last one comes and written together in one multi-tensor copy, a parameter's
+    second gradient added after it; the storage then holds, bitwise, what writing each
+    gradient as it comes gives, with or without a pre factor (a 16-bit one multiplied one by
+    one, as torch's multi-tensor multiply rounds it otherwise)."""
+    batched, launched = _reduce_rounds(True, dtype, pre)
+    one_by_one, launched_too = _reduce_rounds(False, dtype, pre)
+    assert launched == launched_too == [0, 1]
+    assert torch.equal(batched, one_by_one)
+    assert batched.abs().min() > 0
+
+
+def test_stage_3_batched_writes_what_an_incomplete_bucket_holds_at_the_end_of_backward():
+    """A bucket whose parameter got no gradient completes only at the end of backward: the
+    gradients it holds are written then, the missing one's place zero, before it reduces."""
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(2)]
+    layout = build_layout([2, 2], bucket_numel=4, world_size=1)
+    storage = ShardGradients(layout, 0, dtype=torch.float32, comm_dtype=torch.float32, device="cpu")
+    reducer = GradReducer(params, layout, storage, _Recorded(), overlap=True, batched=True)
+    reducer.begin_cycle()
+    reducer.begin_backward(True)
+    (params[0] * 5).sum().backward()
+    assert reducer.finish_backward() == [params[1]]
+    assert storage.shard.tolist() == [5.0, 5.0, 0.0, 0.0]
+
+
 def test_stage_2_in_place_holds_no_more_than_the_pool_would():
     """One buffer of every bucket (gradients in place) where the hooks' pool would hold as
     much: as many buffers as buckets, up to its size, each of the largest bucket's size."""

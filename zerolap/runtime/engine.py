@@ -621,6 +621,9 @@ class ZerolapEngine(torch.nn.Module):
             reduction,
             overlap=self._config.zero_optimization.overlap_comm,
             in_place=self._accumulates_in_place(pre),
+            # Stage 3's buckets are modules' units, whose gradients come in that module's
+            # backward: each is written when its last one comes, in one multi-tensor copy.
+            batched=self.plan.shard_params,
             names=[names.get(id(p), "?") for p in self.params],
         )
 

@@ -57,6 +57,9 @@ class Bucket:
         self.buffer: torch.Tensor | None = None  # what the collective reduces
         self.handle = None  # the in-flight collective's Handle
         self.finalize = None  # scales and delivers the result once the handle is waited
+        # Gradients taken but not yet written, as (slot, gradient): a batched reducer writes a
+        # bucket's first round all at once when it completes (``GradReducer``'s ``batched``).
+        self.held: list[tuple[int, torch.Tensor]] = []
         # True once a round has delivered reduced values for this bucket in the current
         # accumulation cycle: later gradients must be reduced on their own and added.
         self.delivered = False
@@ -95,3 +98,4 @@ class Bucket:
         self.buffer = None
         self.handle = None
         self.finalize = None
+        self.held = []

@@ -74,6 +74,21 @@ def _put(place: torch.Tensor, grad: torch.Tensor, factor: float, *, first: bool)
         place.add_(flat, alpha=factor)
 
 
+def _put_all(places: list[torch.Tensor], grads: list[torch.Tensor], factor: float) -> None:
+    """``_put`` of each ``grads[i]`` into ``places[i]``, first in its place, in one multi-tensor
+    copy (and multiply): one kernel for a module's gradients on an accelerator, where one
+    per gradient costs the host a launch each."""
+    flats = [grad.reshape(-1) for grad in grads]
+    if factor != 1.0 and places[0].dtype != torch.float32:
+        # torch's multi-tensor multiply does not round a 16-bit product as ``_put``'s does.
+        for place, flat in zip(places, flats, strict=True):
+            _put(place, flat, factor, first=True)
+        return
+    torch._foreach_copy_(places, flats)
+    if factor != 1.0:
+        torch._foreach_mul_(places, factor)
+
+
 class FullGradients:
     # A bucket's reduction lands in the buffer its gradients were accumulated in: a backward
     # after it in the same cycle cannot accumulate there in place (``GradReducer``).
@@ -313,6 +328,26 @@ class ShardGradients:
         unwritten = self._unwritten[bucket.index]
         _put(place, grad, self.pre, first=slot in unwritten)
         unwritten.discard(slot)
+
+    def write_all(self, bucket: Bucket, grads: list[tuple[int, torch.Tensor]]) -> None:
+        """``write`` of each (slot, gradient) in order, the first of each slot in one
+        multi-tensor copy (``GradReducer``'s ``batched``)."""
+        if bucket.buffer is None:
+            bucket.buffer = self._acquire(bucket)
+        unwritten, offset = self._unwritten[bucket.index], bucket.layout.start
+        places, firsts, later = [], [], []
+        for slot, grad in grads:
+            if slot in unwritten:
+                unwritten.discard(slot)
+                start, end = _slot_range(self.layout, slot)
+                places.append(bucket.buffer[start - offset : end - offset])
+                firsts.append(grad)
+            else:  # a slot's second gradient (reached twice: reentrant checkpoints)
+                later.append((slot, grad))
+        if places:
+            _put_all(places, firsts, self.pre)
+        for slot, grad in later:
+            self.write(bucket, slot, grad)
 
     def buffer_for(self, bucket: Bucket) -> torch.Tensor:
         if self._in_place:  # zeroed before the backward: unwritten places and padding too

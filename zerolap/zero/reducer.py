@@ -11,6 +11,9 @@ Phases of one backward:
    autograd tensor dropped), the parameter's bucket is marked; a completed bucket becomes READY
    and, with ``overlap_comm``, READY buckets are launched at once in index order, so their
    collectives run on the backend's threads while autograd computes earlier layers.
+   ``batched`` (stage 3, whose buckets are modules' units) holds a bucket's gradients until its
+   last one comes and writes them together, one multi-tensor copy where a copy each would
+   cost an accelerator's host a kernel launch each.
 3. ``finish_backward()``: the one place that waits. Buckets still filling (parameters that got
    no gradient this step) are launched with zeros in their place, every handle is waited in
    order, results are scaled and delivered; buckets refilled by late gradients get a second
@@ -68,6 +71,7 @@ class GradReducer:
         *,
         overlap: bool,
         in_place: bool = False,
+        batched: bool = False,
         names: list[str] | None = None,
     ) -> None:
         self.params = params  # in layout slot order
@@ -79,6 +83,9 @@ class GradReducer:
         if in_place and overlap:
             raise ValueError("in-place gradients launch nothing during backward: no overlap")
         self.in_place = in_place
+        if batched and in_place:
+            raise ValueError("in-place gradients are written by autograd: nothing to batch")
+        self.batched = batched
         # In place: this backward goes the hooks' way (begin_backward), and after it each
         # param.grad is not its place in the buffer (only where reductions land in that
         # buffer: stages 0-1).
@@ -162,13 +169,31 @@ class GradReducer:
         if bucket.state in (BucketState.REDUCING, BucketState.REDUCED):
             self._finish(bucket)
             bucket.refill_late(slot)
+        elif self.batched and bucket.state != BucketState.READY:  # the bucket's first round
+            bucket.held.append((slot, grad))
+            if bucket.mark_ready(slot):
+                self._write_held(bucket)
+                if self.overlap:
+                    self._launch_ready()
+            return
+        self._make_room(bucket)
+        self.storage.write(bucket, slot, grad)
+        if bucket.mark_ready(slot) and self.overlap:
+            self._launch_ready()
+
+    def _make_room(self, bucket: Bucket) -> None:
+        """Before ``bucket`` takes a buffer: one free, if the storage's pool is used up."""
         if bucket.buffer is None and not self.storage.has_free_buffer():
             self._finish_oldest()  # bounds the memory held by buckets in flight
             if not self.storage.has_free_buffer():
                 self._say_held_back()
-        self.storage.write(bucket, slot, grad)
-        if bucket.mark_ready(slot) and self.overlap:
-            self._launch_ready()
+
+    def _write_held(self, bucket: Bucket) -> None:
+        """``batched``: the gradients ``bucket`` holds go into its buffer together."""
+        if bucket.held:
+            self._make_room(bucket)
+            self.storage.write_all(bucket, bucket.held)
+            bucket.held = []
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self._order):
@@ -267,6 +292,7 @@ class GradReducer:
         first_round = self._next_launch
         for bucket in self._order[first_round:]:
             if bucket.state != BucketState.READY:
+                self._write_held(bucket)
                 bucket.pending.clear()  # parameters without a gradient contribute zeros
                 bucket.move(BucketState.READY, "(flushed at the end of backward)")
         self._launch_ready()
