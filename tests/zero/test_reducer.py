@@ -87,29 +87,33 @@ def test_a_gradient_outside_the_scope_is_named():
         params[0].sum().backward()
 
 
+@pytest.mark.parametrize("batched", [False, True])
 @pytest.mark.parametrize("overlap", [True, False])
-def test_stage_2_holds_at_most_its_pool_of_bucket_buffers(overlap):
+def test_stage_2_holds_at_most_its_pool_of_bucket_buffers(overlap, batched):
     """Ten one-parameter buckets, gradients arriving in bucket order as the layout expects
     them: the storage never holds more than its pool of buffers, with or without
     ``overlap_comm`` (without it, ready buckets are reduced when the pool runs out, instead of
-    every bucket keeping a buffer until the end of backward), and every gradient lands whole."""
+    every bucket keeping a buffer until the end of backward), and every gradient lands whole;
+    so too with stage 3's batched writes (where making room for a completed bucket, which
+    reduces the ready ones without ``overlap_comm``, must not reduce it before its writes)."""
     params = [torch.nn.Parameter(torch.ones(4)) for _ in range(10)]
     layout = build_layout([4] * 10, bucket_numel=4, world_size=1)
     storage = ShardGradients(layout, 0, dtype=torch.float32, comm_dtype=torch.float32, device="cpu")
-    reducer = GradReducer(params, layout, storage, _Recorded(), overlap=overlap)
-    reducer.begin_cycle()
-    reducer.begin_backward(True)
-    x = torch.ones(4)
-    for p in reversed(params):  # backward reaches params[0] first
-        x = x * p
-    x.sum().backward()
-    reducer.finish_backward()
-    assert len(layout.buckets) == 10
-    assert storage.buffer_bytes() <= storage.max_buffers * 4 * 4
-    assert storage.shard.tolist() == [1.0] * 40
+    reducer = GradReducer(params, layout, storage, _Recorded(), overlap=overlap, batched=batched)
+    for _ in range(2):
+        reducer.begin_cycle()
+        reducer.begin_backward(True)
+        x = torch.ones(4)
+        for p in reversed(params):  # backward reaches params[0] first
+            x = x * p
+        x.sum().backward()
+        reducer.finish_backward()
+        assert len(layout.buckets) == 10
+        assert storage.buffer_bytes() <= storage.max_buffers * 4 * 4
+        assert storage.shard.tolist() == [1.0] * 40
 
 
-def _reduce_rounds(batched: bool, dtype: torch.dtype, pre: float):
+def _reduce_rounds(batched: bool, dtype: torch.dtype, comm_dtype: torch.dtype, pre: float):
     """Four 3-element parameters in buckets (0, 1) and (2, 3), reduced by one backward made of
     three: the first reaches parameter 0, the second 0 and 1 (0's second gradient comes before
     its bucket is complete), the third 2 and 3 (bucket 1 completes while backward runs). What
@@ -118,7 +122,7 @@ def _reduce_rounds(batched: bool, dtype: torch.dtype, pre: float):
     params = [torch.nn.Parameter(torch.randn(3, dtype=dtype)) for _ in range(4)]
     layout = build_layout([3] * 4, bucket_numel=6, world_size=1)
     storage = ShardGradients(
-        layout, 0, dtype=torch.float32, comm_dtype=dtype, device="cpu", pre=pre
+        layout, 0, dtype=torch.float32, comm_dtype=comm_dtype, device="cpu", pre=pre
     )
     reduction = _Recorded()
     reducer = GradReducer(params, layout, storage, reduction, overlap=True, batched=batched)
@@ -136,16 +140,23 @@ def _reduce_rounds(batched: bool, dtype: torch.dtype, pre: float):
 
 
 @pytest.mark.parametrize(
-    ("dtype", "pre"), [(torch.float32, 1.0), (torch.float32, 0.25), (torch.bfloat16, 1 / 3)]
+    ("dtype", "comm_dtype", "pre"),
+    [
+        (torch.float32, torch.float32, 1.0),
+        (torch.float32, torch.float32, 1 / 3),
+        (torch.bfloat16, torch.bfloat16, 1 / 3),
+        (torch.bfloat16, torch.float32, 1 / 3),
+    ],
 )
-def test_stage_3_batched_writes_equal_the_gradients_written_one_by_one(dtype, pre):
+def test_stage_3_batched_writes_equal_the_gradients_written_one_by_one(dtype, comm_dtype, pre):
     """``batched`` (stage 3, whose buckets are modules' units): a bucket's gradients are held
     until its last one comes and written together in one multi-tensor copy, a parameter's
     second gradient added after it; the storage then holds, bitwise, what writing each
-    gradient as it comes gives, with or without a pre factor (a 16-bit one multiplied one by
-    one, as torch's multi-tensor multiply rounds it otherwise)."""
-    batched, launched = _reduce_rounds(True, dtype, pre)
-    one_by_one, launched_too = _reduce_rounds(False, dtype, pre)
+    gradient as it comes gives, with or without a pre factor (in a 16-bit buffer multiplied
+    one by one, as torch's multi-tensor multiply rounds it otherwise), 16-bit gradients
+    into a buffer of their dtype or of fp32."""
+    batched, launched = _reduce_rounds(True, dtype, comm_dtype, pre)
+    one_by_one, launched_too = _reduce_rounds(False, dtype, comm_dtype, pre)
     assert launched == launched_too == [0, 1]
     assert torch.equal(batched, one_by_one)
     assert batched.abs().min() > 0

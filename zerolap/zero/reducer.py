@@ -171,10 +171,12 @@ class GradReducer:
             bucket.refill_late(slot)
         elif self.batched and bucket.state != BucketState.READY:  # the bucket's first round
             bucket.held.append((slot, grad))
-            if bucket.mark_ready(slot):
+            if bucket.pending <= {slot}:
+                # Written before the bucket is READY: making room for it may launch the
+                # READY buckets (without overlap_comm), and it must not go out without them.
                 self._write_held(bucket)
-                if self.overlap:
-                    self._launch_ready()
+            if bucket.mark_ready(slot) and self.overlap:
+                self._launch_ready()
             return
         self._make_room(bucket)
         self.storage.write(bucket, slot, grad)
