@@ -1,5 +1,6 @@
 """ZeRO stage 3 through the engine: what initialize shards, when units are gathered and released,
-the recorded-order prefetch and its limits, ``GatheredParameters``, ``save_16bit_model``,
+the recorded-order prefetch and its limits, more units than the pool of gradient bucket
+buffers, ``GatheredParameters``, ``save_16bit_model``,
 ``empty_partition_cache``, memory and bytes on the wire against the formulas, and the error when
 ranks disagree on the module order. Parity on ``TiedMLP`` is in ``test_parity.py``; here a model
 that calls a module twice, shares a weight between two modules and skips modules is checked
@@ -485,6 +486,35 @@ def test_changing_module_order_falls_back_to_on_demand(ranks):
         assert result["misses"] == [0, 0, 1, 2, 2, 2, 3, 3, 3]
         assert result["n_outputs"] == (4, 4)
         assert result["outputs"] < 1e-5 and result["params"] < 1e-5, result
+
+
+def chain_against_one_process(overlap: bool) -> float:
+    """Six sharded units, more than the pool of four bucket buffers, trained 3 steps with or
+    without ``overlap_comm``: the largest difference from one process on the global batch."""
+    cfg = config(lr=0.05, overlap_comm=overlap)
+    cfg["optimizer"]["params"]["weight_decay"] = 0.01  # torch's AdamW's default
+    engine, *_ = zerolap.initialize(model=chain(layers=6), config=cfg)
+    reference = chain(layers=6)
+    opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    world = dist.get_world_size()
+    for step in range(3):
+        train_step(engine, step)
+        opt.zero_grad()
+        x = torch.randn(4 * world, 32, generator=torch.Generator().manual_seed(step))
+        reference(x).pow(2).mean().backward()
+        opt.step()
+    return max_diff(gathered(engine.module.parameters()), list(reference.parameters()))
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_more_units_than_bucket_buffers_train_as_one_process(ranks, overlap):
+    """Without ``overlap_comm`` a bucket that needs a buffer when the pool is used up reduces
+    the ready ones first: a unit whose gradients were held (written together when its last one
+    comes) is written before it is ready, so it never goes out as zeros."""
+    assert (
+        ranks(2).run(chain_against_one_process, overlap, timeout=TIMEOUT)
+        == [pytest.approx(0.0, abs=1e-5)] * 2
+    )
 
 
 def misses_after_evaluating_first() -> tuple[int, list[str]]:
