@@ -19,6 +19,10 @@
 #            FusedAdam and CPUAdam, a minute or more each)
 #   syncs    the implicit host syncs per step of plain and of zerolap's rows (CUDA's sync debug
 #            mode; a diagnosis of the step times, not a timing)
+#   ab       a change against a base: the working tree and the commit gpu_prepare.sh put in
+#            .ab/base (AB_BASE=REV; carry .ab too), four processes in the order base, change,
+#            change, base, each running AB_SYSTEMS (default: plain z3 z3-blocks) by turns
+#            (--interleaved --phases): each row's ratio to its own process's plain, per tree
 #   profile  where stages 1-3 spend host and device time (torch's profiler and
 #            cProfile over 3 steps of plain, z1, z2, z3 and z3-blocks, and the device idle time by
 #            the phase of the step whose host work ended it; a diagnosis, not a timing)
@@ -80,11 +84,28 @@ for pass in $PASSES; do
     syncs)
         bench gpu_bench_syncs.log 0 --count-syncs --steps 3 --warmup 2 --rounds 1 \
             --systems plain z0 z2 z3 z2-cpu z3-cpu ;;
+    ab)
+        if [ ! -f .ab/base/REVISION ]; then
+            echo "gpu_check: no .ab/base: run AB_BASE=REV benchmarks/gpu_prepare.sh, carry .ab" >&2
+            exit 2
+        fi
+        echo "ab: base $(cat .ab/base/REVISION), change: the working tree" | tee "$OUT/gpu_bench_ab.log"
+        for tree in base change change base; do
+            dir=$PWD
+            [ "$tree" = base ] && dir=$PWD/.ab/base
+            left=$((BUDGET_S - SECONDS))
+            [ "$left" -gt 30 ] || break
+            # shellcheck disable=SC2086  # AB_SYSTEMS is a list of rows
+            (cd "$dir" && PYTHONPATH=$dir:/tmp/site python3 benchmarks/gpu_bench.py \
+                --budget-s "$left" --interleaved --phases --rounds 1 \
+                --systems ${AB_SYSTEMS:-plain z3 z3-blocks}) 2>&1 |
+                sed "s/^/$tree: /" | tee -a "$OUT/gpu_bench_ab.log"
+        done ;;
     profile)
         bench gpu_profile.log 0 --profile --steps 3 --warmup 3 --rounds 1 \
             --systems plain z1 z2 z3 z3-blocks ;;
     *)
-        echo "gpu_check: unknown pass '$pass' (tests, zerolap, gas, ds, syncs, profile)" >&2
+        echo "gpu_check: unknown pass '$pass' (tests, interleaved, zerolap, gas, ds, syncs, ab, profile)" >&2
         exit 2 ;;
     esac
 done

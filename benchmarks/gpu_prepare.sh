@@ -5,6 +5,10 @@
 # zerolap needs, and no hjson, which DeepSpeed needs. DeepSpeed 0.19.8 itself goes as the
 # pure-Python wheel that DS_BUILD_OPS=0 builds; there it JIT-builds the ops it uses.
 # About 20 MB in all; a minute here, no device time.
+#
+# AB_BASE=REV (a commit): also the zerolap and benchmarks of REV into .ab/base/ (ignored by
+# git; the call carries it too), for gpu_check.sh's `ab` pass, which runs the working tree
+# against it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
@@ -28,3 +32,10 @@ print(" ".join(f"{n}=={version(n)}" for n in
 DS_BUILD_OPS=0 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w .whl deepspeed==0.19.8
 du -sh .whl
 ls .whl
+if [ -n "${AB_BASE:-}" ]; then
+    rm -rf .ab/base
+    mkdir -p .ab/base
+    git archive "$AB_BASE" zerolap benchmarks | tar -x -C .ab/base
+    git rev-parse --short "$AB_BASE" >.ab/base/REVISION
+    echo "gpu_prepare: .ab/base holds $(cat .ab/base/REVISION): carry .ab too"
+fi
