@@ -517,6 +517,40 @@ def test_more_units_than_bucket_buffers_train_as_one_process(ranks, overlap):
     )
 
 
+def gathers_in_step() -> tuple[int, list[str]]:
+    """Three sharded Linears, each followed by a persistent LayerNorm (64 elements, under the
+    threshold): the persistent units, and the collectives ``step()`` ran."""
+    torch.manual_seed(0)
+    layers = [(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32), torch.nn.Tanh()) for _ in range(3)]
+    model = torch.nn.Sequential(*[m for layer in layers for m in layer])
+    engine, *_ = zerolap.initialize(
+        model=model, config=config(stage3_param_persistence_threshold=100)
+    )
+    store = engine.param_store
+    persistent = sum(store.persistent[: store.trainable_buckets])
+    train_step(engine, 0)  # the record the next step prefetches from
+    engine.backward(engine(local_batch(1)).pow(2).mean())
+    dist.configure(enabled=True)
+    dist.reset_log()
+    try:
+        engine.step()
+        ops = [r.op for r in dist.COMMS_LOGGER.records]
+    finally:
+        dist.configure(enabled=False)
+        dist.reset_log()
+    return persistent, ops
+
+
+def test_step_gathers_the_persistent_units_in_one_collective(ranks):
+    """After the optimizer step the persistent units (small modules kept whole, updated shard
+    by shard) are all-gathered again, all three in one collective; the other gathers are the
+    next step's prefetch of the three sharded units (and the all-reduce, the gradient norm's)."""
+    for persistent, ops in ranks(2).run(gathers_in_step, timeout=TIMEOUT):
+        assert persistent == 3
+        expected = ["all_gather_coalesced", "all_reduce"] + ["ring_all_gather"] * 3
+        assert sorted(ops) == expected, ops
+
+
 def misses_after_evaluating_first() -> tuple[int, list[str]]:
     """An evaluation through the engine before the first training step: its forward-only step
     is the first record, which the training step after it goes on past."""

@@ -8,7 +8,8 @@ is gathered into its own full buffer and its parameters' ``.data`` become views 
 The storage object stays and only its memory comes and goes, so that tensors autograd saved in
 forward (views such as ``weight.t()``) read the values gathered again for backward instead of
 keeping the old buffer alive: between the two passes the unit costs no memory. Persistent units
-stay gathered for good and are all-gathered again after each optimizer step (``publish``).
+stay gathered for good and are all-gathered again after each optimizer step (``publish``), in
+one collective.
 
 On CPU that memory comes from a pool of released buffers (``_BufferPool``), moved in and out
 of the unit's storage by swapping data pointers: a buffer freshly allocated for every gather
@@ -455,9 +456,21 @@ class ShardedParams:
         flight (frozen ones did not change, unless a checkpoint was loaded: ``frozen_too``)."""
         self.release_all()
         last = len(self.persistent) if frozen_too else self.trainable_buckets
-        handles = [
-            self._launch_gather(unit) for unit, keep in enumerate(self.persistent[:last]) if keep
-        ]
+        units = [unit for unit, keep in enumerate(self.persistent[:last]) if keep]
+        if self.host is None and self.swap is None and len(units) > 1:
+            # One collective for them all: a model's persistent units (its LayerNorms, between
+            # the sharded layers, each a bucket) are many and small, where a collective's
+            # launch costs more than its bytes (host time a GPU waits for).
+            handles = [
+                dist.all_gather_coalesced(
+                    [self.full[unit] for unit in units],
+                    [self._chunk_of(unit) for unit in units],
+                    group=self.group,
+                    async_op=True,
+                )
+            ]
+        else:  # a chunk on the host or on disk is brought in by its own gather
+            handles = [self._launch_gather(unit) for unit in units]
         for handle in handles:
             handle.wait()
 
