@@ -517,38 +517,54 @@ def test_more_units_than_bucket_buffers_train_as_one_process(ranks, overlap):
     )
 
 
-def gathers_in_step() -> tuple[int, list[str]]:
+def with_layer_norms() -> torch.nn.Sequential:
     """Three sharded Linears, each followed by a persistent LayerNorm (64 elements, under the
-    threshold): the persistent units, and the collectives ``step()`` ran."""
+    threshold of 100): three persistent units, each a bucket of its own."""
     torch.manual_seed(0)
     layers = [(torch.nn.Linear(32, 32), torch.nn.LayerNorm(32), torch.nn.Tanh()) for _ in range(3)]
-    model = torch.nn.Sequential(*[m for layer in layers for m in layer])
-    engine, *_ = zerolap.initialize(
-        model=model, config=config(stage3_param_persistence_threshold=100)
-    )
+    return torch.nn.Sequential(*[m for layer in layers for m in layer])
+
+
+def gathers_in_step() -> tuple[int, list[str], float]:
+    """The persistent units, the collectives the third ``step()`` ran, and the largest
+    difference from one process on the global batch after it."""
+    cfg = config(lr=0.05, stage3_param_persistence_threshold=100)
+    cfg["optimizer"]["params"]["weight_decay"] = 0.01  # torch's AdamW's default
+    engine, *_ = zerolap.initialize(model=with_layer_norms(), config=cfg)
     store = engine.param_store
     persistent = sum(store.persistent[: store.trainable_buckets])
-    train_step(engine, 0)  # the record the next step prefetches from
-    engine.backward(engine(local_batch(1)).pow(2).mean())
-    dist.configure(enabled=True)
-    dist.reset_log()
-    try:
-        engine.step()
-        ops = [r.op for r in dist.COMMS_LOGGER.records]
-    finally:
-        dist.configure(enabled=False)
+    reference = with_layer_norms()
+    opt = torch.optim.AdamW(reference.parameters(), lr=0.05)
+    for step in range(3):
+        engine.backward(engine(local_batch(step)).pow(2).mean())
+        dist.configure(enabled=step == 2)  # the first steps record what the next prefetches
         dist.reset_log()
-    return persistent, ops
+        try:
+            engine.step()
+            ops = [r.op for r in dist.COMMS_LOGGER.records]
+        finally:
+            dist.configure(enabled=False)
+            dist.reset_log()
+        opt.zero_grad()
+        x = torch.randn(
+            4 * dist.get_world_size(), 32, generator=torch.Generator().manual_seed(step)
+        )
+        reference(x).pow(2).mean().backward()
+        opt.step()
+    diff = max_diff(gathered(engine.module.parameters()), list(reference.parameters()))
+    return persistent, ops, diff
 
 
 def test_step_gathers_the_persistent_units_in_one_collective(ranks):
     """After the optimizer step the persistent units (small modules kept whole, updated shard
-    by shard) are all-gathered again, all three in one collective; the other gathers are the
-    next step's prefetch of the three sharded units (and the all-reduce, the gradient norm's)."""
-    for persistent, ops in ranks(2).run(gathers_in_step, timeout=TIMEOUT):
+    by shard) are all-gathered again, all three in one collective, each to its own values (the
+    parameters equal one process's); the other gathers are the next step's prefetch of the
+    three sharded units (and the all-reduce, the gradient norm's)."""
+    for persistent, ops, diff in ranks(2).run(gathers_in_step, timeout=TIMEOUT):
         assert persistent == 3
         expected = ["all_gather_coalesced", "all_reduce"] + ["ring_all_gather"] * 3
         assert sorted(ops) == expected, ops
+        assert diff < 1e-5
 
 
 def misses_after_evaluating_first() -> tuple[int, list[str]]:
