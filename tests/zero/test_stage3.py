@@ -525,10 +525,12 @@ def with_layer_norms() -> torch.nn.Sequential:
     return torch.nn.Sequential(*[m for layer in layers for m in layer])
 
 
-def gathers_in_step() -> tuple[int, list[str], float]:
+def gathers_in_step(swap_dir: str | None) -> tuple[int, list[str], float]:
     """The persistent units, the collectives the third ``step()`` ran, and the largest
-    difference from one process on the global batch after it."""
-    cfg = config(lr=0.05, stage3_param_persistence_threshold=100)
+    difference from one process on the global batch after it; with ``swap_dir``, every
+    sharded unit's chunk swapped to disk there (``offload_param: nvme``)."""
+    swap = {"device": "nvme", "nvme_path": swap_dir, "max_in_cpu": 0} if swap_dir else None
+    cfg = config(lr=0.05, stage3_param_persistence_threshold=100, offload_param=swap)
     cfg["optimizer"]["params"]["weight_decay"] = 0.01  # torch's AdamW's default
     engine, *_ = zerolap.initialize(model=with_layer_norms(), config=cfg)
     store = engine.param_store
@@ -555,12 +557,15 @@ def gathers_in_step() -> tuple[int, list[str], float]:
     return persistent, ops, diff
 
 
-def test_step_gathers_the_persistent_units_in_one_collective(ranks):
+@pytest.mark.parametrize("swapped", [False, True], ids=["in memory", "sharded units on nvme"])
+def test_step_gathers_the_persistent_units_in_one_collective(ranks, tmp_path, swapped):
     """After the optimizer step the persistent units (small modules kept whole, updated shard
     by shard) are all-gathered again, all three in one collective, each to its own values (the
     parameters equal one process's); the other gathers are the next step's prefetch of the
-    three sharded units (and the all-reduce, the gradient norm's)."""
-    for persistent, ops, diff in ranks(2).run(gathers_in_step, timeout=TIMEOUT):
+    three sharded units (and the all-reduce, the gradient norm's). Persistent units are never
+    swapped, so with the sharded units' chunks on disk it is the same."""
+    swap_dir = str(tmp_path) if swapped else None
+    for persistent, ops, diff in ranks(2).run(gathers_in_step, swap_dir, timeout=TIMEOUT):
         assert persistent == 3
         expected = ["all_gather_coalesced", "all_reduce"] + ["ring_all_gather"] * 3
         assert sorted(ops) == expected, ops

@@ -457,21 +457,20 @@ class ShardedParams:
         self.release_all()
         last = len(self.persistent) if frozen_too else self.trainable_buckets
         units = [unit for unit, keep in enumerate(self.persistent[:last]) if keep]
-        if self.host is None and self.swap is None and len(units) > 1:
+        if self.host is None and len(units) > 1:
             # One collective for them all: a model's persistent units (its LayerNorms, between
             # the sharded layers, each a bucket) are many and small, where a collective's
-            # launch costs more than its bytes (host time a GPU waits for).
-            handles = [
-                dist.all_gather_coalesced(
-                    [self.full[unit] for unit in units],
-                    [self._chunk_of(unit) for unit in units],
-                    group=self.group,
-                    async_op=True,
-                )
-            ]
-        else:  # a chunk on the host or on disk is brought in by its own gather
-            handles = [self._launch_gather(unit) for unit in units]
-        for handle in handles:
+            # launch costs more than its bytes (host time a GPU waits for). They are never
+            # swapped to disk (``offload.param_swap``): their chunks are in ``shard``.
+            dist.all_gather_coalesced(
+                [self.full[unit] for unit in units],
+                [self._chunk_of(unit) for unit in units],
+                group=self.group,
+            )
+            return
+        # A shard in host memory (offload_param cpu on an accelerator): each gather copies
+        # its chunk up.
+        for handle in [self._launch_gather(unit) for unit in units]:
             handle.wait()
 
     def unshard_all(self) -> None:
