@@ -12,7 +12,7 @@ import zerolap
 from tests.logs import captured_logs
 from tests.zero.models import loss_fn, make_model, rank_batch
 from zerolap.zero.grad_storage import ShardGradients
-from zerolap.zero.layout import build_layout
+from zerolap.zero.layout import build_layout, coalesce, layout_from_groups
 from zerolap.zero.reducer import GradReducer
 
 
@@ -38,6 +38,41 @@ def test_buckets_hold_one_kind():
     layout = build_layout([4, 4, 4], bucket_numel=100, world_size=1, kinds=[0, 1, 0])
     assert [b.slots for b in layout.buckets] == [(0,), (1,), (2,)]
     assert len(build_layout([4, 4, 4], bucket_numel=100, world_size=1).buckets) == 1
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_a_coalesced_bucket_lays_its_members_out_rank_by_rank(world_size):
+    """Every element of every member lands once, and row r of the buffer is chunk r of each
+    member in order: what one reduce-scatter hands rank r, and its shard holds."""
+    layout = layout_from_groups([[5, 3], [4], [10, 2], [1], [7]], world_size=world_size)
+    merged = coalesce(layout, 100)
+    assert [b.slots for b in merged.buckets] == [(0, 1, 2, 3, 4, 5, 6)]
+    bucket = merged.buckets[0]
+    assert bucket.chunk_numel == layout.shard_numel and merged.shard_numel == layout.shard_numel
+    flat = list(range(layout.numel))  # each element named by its flat offset
+    buffer = [None] * bucket.numel
+    for slot in layout.slots:
+        for at, i, count in bucket.places(slot.offset, slot.numel):
+            for k in range(count):
+                assert buffer[at + k] is None
+                buffer[at + k] = flat[slot.offset + i + k]
+    row = bucket.chunk_numel
+    for rank in range(world_size):
+        want = [
+            e if any(s.offset <= e < s.offset + s.numel for s in layout.slots) else None
+            for member in layout.buckets
+            for e in range(*member.chunk(rank))
+        ]
+        assert buffer[rank * row : (rank + 1) * row] == want
+    # Runs of consecutive buckets up to the size (one larger than it alone), in order.
+    for size in (1, 8, 13, 20):
+        runs = coalesce(layout, size)
+        assert [p for b in runs.buckets for p in b.parts()] == list(layout.buckets)
+        for run in runs.buckets:  # its parts keep their own indices (offload is told them)
+            assert run.numel <= size or len(run.parts()) == 1
+        for slot, merged_slot in zip(layout.slots, runs.slots, strict=True):
+            assert merged_slot.offset == slot.offset
+            assert layout.buckets[slot.bucket] in runs.buckets[merged_slot.bucket].parts()
 
 
 def _reducer():

@@ -159,10 +159,11 @@ def test_initialize_shards_modules_above_the_persistence_threshold(
 # -- gather before use, release after ----------------------------------------------------------
 
 
-def check_gather_release_cycle() -> dict:
+def check_gather_release_cycle(reduce_bucket_size: int) -> dict:
     model = chain(layers=3)
+    zero = dict(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
     engine, *_ = zerolap.initialize(
-        model=model, config=config(stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0)
+        model=model, config=config(reduce_bucket_size=reduce_bucket_size, **zero)
     )
     linears = [m for m in model if isinstance(m, torch.nn.Linear)]
     events = []
@@ -204,9 +205,15 @@ def check_gather_release_cycle() -> dict:
     return result
 
 
-def test_forward_and_backward_gather_and_release(ranks):
+@pytest.mark.parametrize(
+    "reduce_bucket_size, reduce_scatters",
+    [(int(5e8), 1), (3 * 1056, 1), (2 * 1056, 2), (1056, 3), (1, 3)],
+    ids=["default", "3 units", "2 units", "1 unit", "below a unit"],
+)
+def test_forward_and_backward_gather_and_release(ranks, reduce_bucket_size, reduce_scatters):
     full = 32 * 32
-    for result in ranks(2).run(check_gather_release_cycle, timeout=TIMEOUT):
+    runs = ranks(2).run(check_gather_release_cycle, reduce_bucket_size, timeout=TIMEOUT)
+    for result in runs:
         forward = [e for e in result["events"] if e[0] != "grad"]
         assert forward == [
             e for i in range(3) for e in (("pre", i, "AVAILABLE", full), ("post", i, "SHARDED", 0))
@@ -218,8 +225,9 @@ def test_forward_and_backward_gather_and_release(ranks):
         assert result["statuses"] == {ParamStatus.SHARDED} and result["data_numel"] == 0
         assert result["grads"] == [None] * 6  # only this rank's gradient shard exists
         assert result["grads_bytes"] == result["shard_bytes"]
-        # One all-gather per unit in forward and again in backward; one reduce-scatter per unit.
-        assert (result["gathers"], result["reduce_scatters"]) == (6, 3)
+        # One all-gather per unit (32 x 32 + 32 elements) in forward and again in backward;
+        # one reduce-scatter per run of consecutive units up to reduce_bucket_size elements.
+        assert (result["gathers"], result["reduce_scatters"]) == (6, reduce_scatters)
 
 
 # -- prefetch ----------------------------------------------------------------------------------
@@ -923,13 +931,90 @@ def test_parity_with_reused_shared_and_unused_modules(ranks, world_size, thresho
         assert worst < 1e-5
 
 
+# -- gradients reduced in runs of units -------------------------------------------------------
+
+
+class OddUnits(torch.nn.Module):
+    """Units whose sizes no rank count divides (padding in every one; parameters cut at chunk
+    boundaries), one of them unused (its gradient places and padding are zeros), a LayerNorm
+    that persists between them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = torch.nn.Linear(32, 7)
+        self.norm = torch.nn.LayerNorm(7)
+        self.b = torch.nn.Linear(7, 5)
+        self.unused = torch.nn.Linear(5, 3)
+        self.c = torch.nn.Linear(5, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(self.b(self.norm(self.a(x))).relu())
+
+
+def check_coalesced_reductions(reduce_bucket_size: int, zero: dict, gas: int) -> dict:
+    model = OddUnits()
+    engine, *_ = zerolap.initialize(
+        model=model,
+        config=config(
+            stage3_param_persistence_threshold=20, reduce_bucket_size=reduce_bucket_size, **zero
+        )
+        # Clipped: the norm reads every element of the shard, the padding's too.
+        | {"gradient_accumulation_steps": gas, "gradient_clipping": 0.5},
+    )
+    dist.configure(enabled=True)
+    dist.reset_log()
+    losses = []
+    try:
+        for step in range(3 * gas):
+            loss = engine(local_batch(step)).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        ops = [r.op for r in dist.COMMS_LOGGER.records]
+    finally:
+        dist.configure(enabled=False)
+        dist.reset_log()
+    return {
+        "losses": losses,
+        "params": gathered(model.parameters()),
+        "reductions": ops.count("ring_reduce_scatter") // (3 * gas),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(
+    "zero, gas",
+    [({}, 1), ({"overlap_comm": False}, 1), ({}, 2)],
+    ids=["overlap", "no overlap", "accumulation"],
+)
+def test_gradients_reduced_in_runs_of_units_equal_one_collective_per_unit(
+    ranks, world_size, zero, gas
+):
+    """reduce_bucket_size merges consecutive units' reductions into one reduce-scatter, their
+    buffer laid out rank by rank: the parameters after three steps are bitwise those of one
+    reduce-scatter per unit (each element is summed over the same ring in the same order)."""
+    runs = {
+        size: ranks(world_size).run(check_coalesced_reductions, size, zero, gas, timeout=TIMEOUT)
+        for size in (1, 200, int(5e8))
+    }
+    for rank in range(world_size):
+        alone, some, all_ = (runs[size][rank] for size in (1, 200, int(5e8)))
+        # Units of 192, 18, 40, 14 (the LayerNorm, persistent) and 231 elements before padding,
+        # in layout order: alone, in runs of at most 200 (192 | 18 40 14 | 231), all together.
+        assert (alone["reductions"], some["reductions"], all_["reductions"]) == (5, 3, 1)
+        for run in (some, all_):
+            assert run["losses"] == alone["losses"]
+            for got, want in zip(run["params"], alone["params"], strict=True):
+                assert torch.equal(got, want)
+
+
 # -- memory and wire volume against the formulas -----------------------------------------------
 
 
-def check_memory() -> list[dict]:
-    engine, *_ = zerolap.initialize(
-        model=chain(layers=6, width=128), config=config(stage3_max_live_parameters=2 * 16512)
-    )
+def check_memory(reduce_bucket_size: int) -> list[dict]:
+    zero = dict(stage3_max_live_parameters=2 * 16512, reduce_bucket_size=reduce_bucket_size)
+    engine, *_ = zerolap.initialize(model=chain(layers=6, width=128), config=config(**zero))
     train_step(engine, 0, width=128)  # optimizer state exists from here on
     rows = []
 
@@ -950,9 +1035,14 @@ def check_memory() -> list[dict]:
     return rows
 
 
-def test_memory_per_rank_matches_the_stage_3_formula(ranks):
+@pytest.mark.parametrize("units_per_bucket", [6, 2, 1], ids=lambda k: f"{k} units a bucket")
+def test_memory_per_rank_matches_the_stage_3_formula(ranks, units_per_bucket):
     n, unit = 4, 16512
-    for rows in ranks(n).run(check_memory, timeout=TIMEOUT):
+    # Gradients are reduced in runs of units up to reduce_bucket_size (the default, 5e8, puts
+    # the six together).
+    bucket = units_per_bucket * unit
+    size = int(5e8) if units_per_bucket == 6 else bucket
+    for rows in ranks(n).run(check_memory, size, timeout=TIMEOUT):
         for row in rows:
             psi = row["numel"]
             assert psi == 6 * unit and row["live"] == 0, row
@@ -966,8 +1056,10 @@ def test_memory_per_rank_matches_the_stage_3_formula(ranks):
             assert row["expected_bytes"] == psi * 16 / n, row
             assert row["total_bytes"] == psi * 16 / n + row["step_counter_bytes"], row
             assert row["total_bytes"] <= row["zero_formula_bytes"] == psi * 20 / n, row
-            # Besides model state: the reducer's pool of at most 4 unit-sized gradient buffers.
-            assert 0 < row["bucket_buffer_bytes"] <= 4 * unit * 4, row
+            # Besides model state: the reducer's pool of at most 4 bucket-sized gradient
+            # buffers, and no more than there are buckets.
+            buffers = min(4, 6 // units_per_bucket)
+            assert 0 < row["bucket_buffer_bytes"] <= buffers * bucket * 4, row
             # And the pool of released units' memory: never more than one whole model.
             assert 0 <= row["param_buffer_bytes"] <= psi * 4, row
 

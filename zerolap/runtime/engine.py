@@ -57,7 +57,7 @@ from zerolap.zero.fetcher import ParamFetcher
 from zerolap.zero.flat_params import FlatParams
 from zerolap.zero.grad_storage import FullGradients, ShardGradients
 from zerolap.zero.in_flight import ForwardWaits
-from zerolap.zero.layout import build_layout, layout_from_groups
+from zerolap.zero.layout import FlatLayout, build_layout, coalesce, layout_from_groups
 from zerolap.zero.leaf_modules import apply_granularity_threshold, apply_leaf_config
 from zerolap.zero.optimizer import ZeroOptimizer
 from zerolap.zero.param_access import ParamAccess
@@ -359,7 +359,9 @@ class ZerolapEngine(torch.nn.Module):
                 f"{dims.sequence})"
             ),
             "trainable parameters": sum(getattr(p, "ds_numel", p.numel()) for p in self.params),
-            "buckets": len(self.layout.buckets),
+            # Stage 3 gathers by unit and reduces runs of units: both counts.
+            "units": len(self.layout.buckets) if self.units is not None else None,
+            "gradient buckets": len(self.reducer.buckets) if self.reducer is not None else None,
             "optimizer": type(self.optimizer.inner).__name__ if self.optimizer else None,
             "lr scheduler": type(self.lr_scheduler).__name__ if self.lr_scheduler else None,
             "optimizer state on disk": self.offload.optimizer is not None,
@@ -515,11 +517,12 @@ class ZerolapEngine(torch.nn.Module):
         """The ranks holding the same experts as this one (None without expert parallelism)."""
         return self.mesh.expert_groups(self.ep_size).data_group if self.ep_size > 1 else None
 
-    def _bucket_groups(self) -> list:
-        """Per bucket of the layout, the group its chunks are spread over: the data-parallel
-        group, or for experts the ranks holding the same experts."""
+    def _bucket_groups(self, layout: FlatLayout | None = None) -> list:
+        """Per bucket of ``layout`` (the engine's by default), the group its chunks are spread
+        over: the data-parallel group, or for experts the ranks holding the same experts."""
         experts = self._experts_group()
-        return [experts if b.stride > 1 else self.group for b in self.layout.buckets]
+        buckets = (layout or self.layout).buckets
+        return [experts if b.stride > 1 else self.group for b in buckets]
 
     def _broadcast_initial_state(self) -> None:
         """Every rank starts from rank 0's weights and buffers, as DeepSpeed and DDP do (stage
@@ -592,11 +595,16 @@ class ZerolapEngine(torch.nn.Module):
             grad_dtype=param_dtype,
             comm_dtype=comm_dtype,
         )
+        layout = self.layout
+        if self.units is not None:
+            # Stage 3 gathers unit by unit, but reduces runs of units up to
+            # reduce_bucket_size with one collective each (the shard is laid out the same).
+            layout = coalesce(layout, self._config.zero_optimization.reduce_bucket_size)
         if self.plan.shard_gradients:
             # The shard accumulates in fp32 for an fp32 master, in bf16 for a bf16 one.
             master_dtype = param_dtype if self._config.bf16.bf16_master_weights_and_grads else None
             self.grads = ShardGradients(
-                self.layout,
+                layout,
                 rank,
                 dtype=master_dtype or torch.float32,
                 comm_dtype=comm_dtype,
@@ -605,9 +613,9 @@ class ZerolapEngine(torch.nn.Module):
             )
         else:
             self.grads = FullGradients(
-                self.layout, dtype=param_dtype, comm_dtype=comm_dtype, device=device, pre=pre
+                layout, dtype=param_dtype, comm_dtype=comm_dtype, device=device, pre=pre
             )
-        groups = self._bucket_groups()
+        groups = self._bucket_groups(layout)
         names = self._names_by_id()
         if self.plan.reduce_scatter:
             native = dist.get_backend(self.group) == "nccl"
@@ -616,13 +624,14 @@ class ZerolapEngine(torch.nn.Module):
             reduction = AllReduceBuckets(groups, post=post)
         self.reducer = GradReducer(
             self.params,
-            self.layout,
+            layout,
             self.grads,
             reduction,
             overlap=self._config.zero_optimization.overlap_comm,
             in_place=self._accumulates_in_place(pre),
-            # Stage 3's buckets are modules' units, whose gradients come in that module's
-            # backward: each is written when its last one comes, in one multi-tensor copy.
+            # Stage 3's buckets are made of modules' units, whose gradients come in that
+            # module's backward: each unit is written when its last one comes, in one
+            # multi-tensor copy.
             batched=self.plan.shard_params,
             names=[names.get(id(p), "?") for p in self.params],
         )

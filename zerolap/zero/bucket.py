@@ -57,9 +57,12 @@ class Bucket:
         self.buffer: torch.Tensor | None = None  # what the collective reduces
         self.handle = None  # the in-flight collective's Handle
         self.finalize = None  # scales and delivers the result once the handle is waited
-        # Gradients taken but not yet written, as (slot, gradient): a batched reducer writes a
-        # bucket's first round all at once when it completes (``GradReducer``'s ``batched``).
-        self.held: list[tuple[int, torch.Tensor]] = []
+        # Gradients taken but not yet written, as (slot, gradient) per part of the bucket
+        # (``BucketLayout.parts``: a coalesced bucket's members, stage 3's units): a batched
+        # reducer writes a part's first round all at once when it completes (``GradReducer``'s
+        # ``batched``), and ``parts_pending`` says which of each part's slots are still due.
+        self.held: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        self.parts_pending = [set(part.slots) for part in layout.parts()]
         # True once a round has delivered reduced values for this bucket in the current
         # accumulation cycle: later gradients must be reduced on their own and added.
         self.delivered = False
@@ -98,4 +101,5 @@ class Bucket:
         self.buffer = None
         self.handle = None
         self.finalize = None
-        self.held = []
+        self.held = {}
+        self.parts_pending = [set(part.slots) for part in self.layout.parts()]

@@ -51,6 +51,17 @@ def _slot_range(layout: FlatLayout, slot: int) -> tuple[int, int]:
     return place.offset, place.offset + place.numel
 
 
+def _padding(layout: FlatLayout, bucket) -> list[tuple[int, int]]:
+    """``(buffer position, count)`` of the elements of ``bucket``'s buffer that no parameter
+    fills: each part's padding to a multiple of the ranks."""
+    gaps = []
+    for part in bucket.parts():
+        last = layout.slots[part.slots[-1]]
+        end = last.offset + last.numel
+        gaps += [(at, count) for at, _, count in bucket.places(end, part.end - end) if count]
+    return gaps
+
+
 def _views(buffer: torch.Tensor, layout: FlatLayout, params) -> list[torch.Tensor]:
     """Each parameter's place in ``buffer`` (laid out as ``layout``), shaped as the parameter."""
     return [
@@ -255,6 +266,14 @@ class ShardGradients:
         self._allocated = 0
         self.max_buffers = max_buffers  # beyond this, the reducer finishes a bucket first
         self._unwritten: dict[int, set[int]] = {}  # per bucket holding a buffer
+        # Where each slot's gradient goes in its bucket's buffer, and which parts of each
+        # buffer no parameter fills, as (buffer position, position in the gradient, count):
+        # one run each but in a coalesced bucket (stage 3), whose buffer is laid out rank by
+        # rank (``BucketLayout.places``).
+        self._slot_places = [
+            layout.buckets[s.bucket].places(s.offset, s.numel) for s in layout.slots
+        ]
+        self._padding = [_padding(layout, bucket) for bucket in layout.buckets]
         # With gradients in place (``start_in_place``): one buffer of every bucket, laid out
         # as ``layout``, instead of the pool, and each parameter's place in it (None until
         # the first backward, or after ``drop_buffers``).
@@ -320,13 +339,22 @@ class ShardGradients:
         self._unwritten[bucket.index] = set(bucket.layout.slots)
         return full[: bucket.layout.numel]
 
+    def _pieces(self, buffer: torch.Tensor, slot: int, grad: torch.Tensor):
+        """(place in ``buffer``, the part of ``grad`` that goes there) for ``slot``."""
+        places = self._slot_places[slot]
+        if len(places) == 1:
+            at, _, count = places[0]
+            return [(buffer[at : at + count], grad)]
+        flat = grad.reshape(-1)
+        return [(buffer[at : at + count], flat[i : i + count]) for at, i, count in places]
+
     def write(self, bucket: Bucket, slot: int, grad: torch.Tensor) -> None:
         if bucket.buffer is None:
             bucket.buffer = self._acquire(bucket)
-        start, end = _slot_range(self.layout, slot)
-        place = bucket.buffer[start - bucket.layout.start : end - bucket.layout.start]
         unwritten = self._unwritten[bucket.index]
-        _put(place, grad, self.pre, first=slot in unwritten)
+        first = slot in unwritten
+        for place, piece in self._pieces(bucket.buffer, slot, grad):
+            _put(place, piece, self.pre, first=first)
         unwritten.discard(slot)
 
     def write_all(self, bucket: Bucket, grads: list[tuple[int, torch.Tensor]]) -> None:
@@ -334,14 +362,14 @@ class ShardGradients:
         multi-tensor copy (``GradReducer``'s ``batched``)."""
         if bucket.buffer is None:
             bucket.buffer = self._acquire(bucket)
-        unwritten, offset = self._unwritten[bucket.index], bucket.layout.start
+        unwritten = self._unwritten[bucket.index]
         places, firsts, later = [], [], []
         for slot, grad in grads:
             if slot in unwritten:
                 unwritten.discard(slot)
-                start, end = _slot_range(self.layout, slot)
-                places.append(bucket.buffer[start - offset : end - offset])
-                firsts.append(grad)
+                for place, piece in self._pieces(bucket.buffer, slot, grad):
+                    places.append(place)
+                    firsts.append(piece)
             else:  # a slot's second gradient (reached twice: reentrant checkpoints)
                 later.append((slot, grad))
         if places:
@@ -355,13 +383,12 @@ class ShardGradients:
             return bucket.buffer
         if bucket.buffer is None:  # no gradient arrived this round: contribute zeros
             bucket.buffer = self._acquire(bucket)
-        offset = bucket.layout.start
-        for slot in self._unwritten.pop(bucket.index):
-            start, end = _slot_range(self.layout, slot)
-            bucket.buffer[start - offset : end - offset].zero_()
-        last = bucket.layout.slots[-1]
-        bucket.buffer[_slot_range(self.layout, last)[1] - offset :].zero_()  # the padding
-        return bucket.buffer
+        buffer = bucket.buffer
+        unwritten = self._unwritten.pop(bucket.index)
+        gaps = [(at, count) for slot in unwritten for at, _, count in self._slot_places[slot]]
+        for at, count in gaps + self._padding[bucket.index]:
+            buffer[at : at + count].zero_()
+        return buffer
 
     def deliver(self, bucket: Bucket, reduced: torch.Tensor, start: int, end: int) -> None:
         chunk_start, chunk_end = bucket.layout.chunk(self.rank)

@@ -33,6 +33,7 @@ __all__ = [
     "OwnedRun",
     "ParamSlot",
     "build_layout",
+    "coalesce",
     "layout_from_groups",
 ]
 
@@ -55,6 +56,11 @@ class BucketLayout:
     slots: tuple[int, ...]  # indices of its params
     world_size: int  # the ranks its chunks are spread over
     stride: int = 1  # rank r owns chunk r // stride (expert buckets: the expert-parallel size)
+    # A reduction bucket made of consecutive buckets (``coalesce``): those, in order, with
+    # their own indices (stage 3's units). Its buffer is laid out rank by rank (see
+    # ``places``), so that chunk r of the buffer is chunk r of every member: one
+    # reduce-scatter hands each rank its chunks of them all.
+    members: tuple[BucketLayout, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -65,9 +71,38 @@ class BucketLayout:
         return self.numel // self.world_size
 
     def chunk(self, rank: int) -> tuple[int, int]:
-        """Flat ``(start, end)`` of the chunk owned by data-parallel ``rank``."""
+        """Flat ``(start, end)`` of the chunk owned by data-parallel ``rank`` (of a coalesced
+        bucket: ``start`` plus the chunk's place in the bucket's buffer)."""
         start = self.start + rank // self.stride * self.chunk_numel
         return start, start + self.chunk_numel
+
+    def parts(self) -> tuple[BucketLayout, ...]:
+        """The buckets whose elements this one holds: its members, or itself."""
+        return self.members or (self,)
+
+    def places(self, offset: int, numel: int) -> list[tuple[int, int, int]]:
+        """Where flat elements ``[offset, offset + numel)`` of one member go in this bucket's
+        buffer, as ``(buffer position, position among the elements, count)`` pieces.
+
+        A bucket's own buffer is its flat range. A coalesced one's is rank-major: ranks' rows
+        of ``chunk_numel`` elements, each row the member chunks that rank owns, in order; an
+        element cut from a member at its chunk boundaries lands piece by piece."""
+        at = offset - self.start
+        if len(self.members) <= 1 or self.world_size == 1:
+            return [(at, 0, numel)]
+        column = 0  # where the member's chunk starts within each rank's row
+        for member in self.members:
+            if member.start <= offset < member.end:
+                break
+            column += member.chunk_numel
+        chunk, row = member.chunk_numel, self.chunk_numel
+        pieces, done, i = [], 0, offset - member.start
+        while done < numel:
+            rank, within = divmod(i, chunk)
+            count = min(chunk - within, numel - done)
+            pieces.append((rank * row + column + within, done, count))
+            done, i = done + count, i + count
+        return pieces
 
 
 @dataclass(frozen=True)
@@ -188,6 +223,43 @@ def build_layout(
         groups[-1].append(numel)
         size += numel
     return layout_from_groups(groups, world_size=world_size, strides=group_strides)
+
+
+def coalesce(layout: FlatLayout, bucket_numel: int) -> FlatLayout:
+    """``layout``'s consecutive buckets merged into reduction buckets of at most
+    ``bucket_numel`` elements (a larger bucket stays alone): stage 3's units are buckets of
+    their own for gathering, but reducing each with a collective of its own costs the host a
+    launch and a delivery per unit; merged, one reduce-scatter takes ``reduce_bucket_size``
+    worth of them (DeepSpeed's gradient bucket at stage 3). Flat offsets and shard positions
+    are the same as ``layout``'s (a rank's chunks of the members are consecutive in its
+    shard); only buckets spread over every rank (stride 1) merge."""
+    if bucket_numel <= 0:
+        raise ValueError(f"reduce_bucket_size must be positive, got {bucket_numel}")
+    runs: list[list[BucketLayout]] = []
+    for bucket in layout.buckets:
+        run = runs[-1] if runs else None
+        if (
+            run is not None
+            and bucket.stride == 1
+            and run[-1].stride == 1
+            and bucket.world_size == run[-1].world_size
+            and bucket.end - run[0].start <= bucket_numel
+        ):
+            run.append(bucket)
+        else:
+            runs.append([bucket])
+    merged, index_of = [], {}
+    for index, run in enumerate(runs):
+        first = run[0]
+        slots = tuple(slot for member in run for slot in member.slots)
+        merged.append(
+            BucketLayout(
+                index, first.start, run[-1].end, slots, first.world_size, first.stride, tuple(run)
+            )
+        )
+        index_of.update((member.index, index) for member in run)
+    slots = tuple(ParamSlot(s.index, s.offset, s.numel, index_of[s.bucket]) for s in layout.slots)
+    return FlatLayout(slots, tuple(merged), layout.world_size)
 
 
 def layout_from_groups(

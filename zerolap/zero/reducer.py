@@ -11,9 +11,10 @@ Phases of one backward:
    autograd tensor dropped), the parameter's bucket is marked; a completed bucket becomes READY
    and, with ``overlap_comm``, READY buckets are launched at once in index order, so their
    collectives run on the backend's threads while autograd computes earlier layers.
-   ``batched`` (stage 3, whose buckets are modules' units) holds a bucket's gradients until its
-   last one comes and writes them together, one multi-tensor copy where a copy each would
-   cost an accelerator's host a kernel launch each.
+   ``batched`` (stage 3, whose buckets are modules' units, or runs of units coalesced up to
+   ``reduce_bucket_size``) holds a unit's gradients until its last one comes and writes them
+   together, one multi-tensor copy where a copy each would cost an accelerator's host a
+   kernel launch each.
 3. ``finish_backward()``: the one place that waits. Buckets still filling (parameters that got
    no gradient this step) are launched with zeros in their place, every handle is waited in
    order, results are scaled and delivered; buckets refilled by late gradients get a second
@@ -96,10 +97,16 @@ class GradReducer:
         self._scope: frozenset[int] | None = None
         self._next_launch = 0  # position in _order: buckets launch strictly in index order
         self.last_timing: BackwardTiming | None = None  # of the last reducing backward
-        # Told each bucket index as its reduction lands in the storage (offloaded gradients
-        # are copied to the host from there while backward goes on).
+        # Told the index of each part of a bucket (``BucketLayout.parts``) as the bucket's
+        # reduction lands in the storage (offloaded gradients are copied to the host from
+        # there while backward goes on).
         self.on_delivered: list[Callable[[int], None]] = []
         self._got_grad = [False] * len(params)
+        self._part_of = [0] * len(params)  # per slot, its part of its bucket (``batched``)
+        for bucket in layout.buckets:
+            for part, member in enumerate(bucket.parts()):
+                for slot in member.slots:
+                    self._part_of[slot] = part
         self._said_held_back = False
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(slot))
@@ -170,11 +177,15 @@ class GradReducer:
             self._finish(bucket)
             bucket.refill_late(slot)
         elif self.batched and bucket.state != BucketState.READY:  # the bucket's first round
-            bucket.held.append((slot, grad))
-            if bucket.pending <= {slot}:
-                # Written before the bucket is READY: making room for it may launch the
-                # READY buckets (without overlap_comm), and it must not go out without them.
-                self._write_held(bucket)
+            part = self._part_of[slot]
+            bucket.held.setdefault(part, []).append((slot, grad))
+            due = bucket.parts_pending[part]
+            due.discard(slot)
+            if not due:
+                # The bucket's last part is written before the bucket is READY: making room
+                # for it may launch the READY buckets (without overlap_comm), and it must not
+                # go out without them.
+                self._write_held(bucket, part)
             if bucket.mark_ready(slot) and self.overlap:
                 self._launch_ready()
             return
@@ -190,12 +201,13 @@ class GradReducer:
             if not self.storage.has_free_buffer():
                 self._say_held_back()
 
-    def _write_held(self, bucket: Bucket) -> None:
-        """``batched``: the gradients ``bucket`` holds go into its buffer together."""
-        if bucket.held:
+    def _write_held(self, bucket: Bucket, part: int) -> None:
+        """``batched``: the gradients ``bucket`` holds for ``part`` go into its buffer
+        together."""
+        held = bucket.held.pop(part, None)
+        if held:
             self._make_room(bucket)
-            self.storage.write_all(bucket, bucket.held)
-            bucket.held = []
+            self.storage.write_all(bucket, held)
 
     def _launch_ready(self) -> None:
         while self._next_launch < len(self._order):
@@ -262,7 +274,8 @@ class GradReducer:
         bucket.handle = bucket.finalize = None
         bucket.move(BucketState.REDUCED)
         for listener in self.on_delivered:
-            listener(bucket.index)
+            for part in bucket.layout.parts():
+                listener(part.index)
 
     def _gather_in_place(self) -> None:
         """In place, after autograd: a ``.grad`` that is no longer its place (a backward with
@@ -294,7 +307,8 @@ class GradReducer:
         first_round = self._next_launch
         for bucket in self._order[first_round:]:
             if bucket.state != BucketState.READY:
-                self._write_held(bucket)
+                for part in list(bucket.held):
+                    self._write_held(bucket, part)
                 bucket.pending.clear()  # parameters without a gradient contribute zeros
                 bucket.move(BucketState.READY, "(flushed at the end of backward)")
         self._launch_ready()

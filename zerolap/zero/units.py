@@ -14,8 +14,9 @@ because gathering it every time would cost more latency than its memory is worth
 applies the threshold per parameter; zerolap applies it per module so that a large weight and its
 small bias travel in one collective. At most ``model_persistence_threshold`` elements persist.
 Consecutive persistent units share one bucket (up to ``reduce_bucket_size``); every sharded unit
-is a bucket of its own, so the bucket that reduce-scatters its gradients is the same range that
-all-gathers its parameters.
+is a bucket of its own, the range one all-gather fills. Gradients are reduced in runs of
+consecutive buckets up to ``reduce_bucket_size`` (``layout.coalesce``), one reduce-scatter per
+run that hands each rank its chunk of every unit in it.
 
 Layout order: the trainable units first, in reverse registration order (the order backward
 usually produces gradients), then the frozen ones. The trainable buckets are thus a prefix of
