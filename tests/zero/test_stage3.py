@@ -207,8 +207,8 @@ def check_gather_release_cycle(reduce_bucket_size: int) -> dict:
 
 @pytest.mark.parametrize(
     "reduce_bucket_size, reduce_scatters",
-    [(int(5e8), 1), (3 * 1056, 1), (2 * 1056, 2), (1056, 3), (1, 3)],
-    ids=["default", "3 units", "2 units", "1 unit", "below a unit"],
+    [(int(5e8), 1), (2 * 1056, 2), (1056, 3), (0, 3)],
+    ids=["default", "2 units", "1 unit", "0"],
 )
 def test_forward_and_backward_gather_and_release(ranks, reduce_bucket_size, reduce_scatters):
     full = 32 * 32
@@ -935,9 +935,9 @@ def test_parity_with_reused_shared_and_unused_modules(ranks, world_size, thresho
 
 
 class OddUnits(torch.nn.Module):
-    """Units whose sizes no rank count divides (padding in every one; parameters cut at chunk
-    boundaries), one of them unused (its gradient places and padding are zeros), a LayerNorm
-    that persists between them."""
+    """Units of 192, 18, 40, 14 and 231 elements: padded at 2 ranks (231) and at 3 (40, 14),
+    parameters cut at chunk boundaries, one unit unused (its gradient places are zeros), a
+    LayerNorm that persists between them."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -1057,9 +1057,11 @@ def test_memory_per_rank_matches_the_stage_3_formula(ranks, units_per_bucket):
             assert row["total_bytes"] == psi * 16 / n + row["step_counter_bytes"], row
             assert row["total_bytes"] <= row["zero_formula_bytes"] == psi * 20 / n, row
             # Besides model state: the reducer's pool of at most 4 bucket-sized gradient
-            # buffers, and no more than there are buckets.
+            # buffers, no more than there are buckets, and over more than 2 ranks a unit's
+            # staging buffer when units share a bucket.
             buffers = min(4, 6 // units_per_bucket)
-            assert 0 < row["bucket_buffer_bytes"] <= buffers * bucket * 4, row
+            staging = unit * 4 if units_per_bucket > 1 else 0
+            assert 0 < row["bucket_buffer_bytes"] <= buffers * bucket * 4 + staging, row
             # And the pool of released units' memory: never more than one whole model.
             assert 0 <= row["param_buffer_bytes"] <= psi * 4, row
 

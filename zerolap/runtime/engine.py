@@ -359,8 +359,9 @@ class ZerolapEngine(torch.nn.Module):
                 f"{dims.sequence})"
             ),
             "trainable parameters": sum(getattr(p, "ds_numel", p.numel()) for p in self.params),
-            # Stage 3 gathers by unit and reduces runs of units: both counts.
-            "units": len(self.layout.buckets) if self.units is not None else None,
+            # Stage 3 gathers by unit (small persistent ones share a bucket) and reduces runs
+            # of those buckets: both counts.
+            "gathered buckets": len(self.layout.buckets) if self.units is not None else None,
             "gradient buckets": len(self.reducer.buckets) if self.reducer is not None else None,
             "optimizer": type(self.optimizer.inner).__name__ if self.optimizer else None,
             "lr scheduler": type(self.lr_scheduler).__name__ if self.lr_scheduler else None,

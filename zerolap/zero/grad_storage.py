@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from zerolap.zero.bucket import Bucket
-from zerolap.zero.layout import FlatLayout
+from zerolap.zero.layout import BucketLayout, FlatLayout
 
 __all__ = ["FullGradients", "ShardGradients"]
 
@@ -274,6 +274,17 @@ class ShardGradients:
             layout.buckets[s.bucket].places(s.offset, s.numel) for s in layout.slots
         ]
         self._padding = [_padding(layout, bucket) for bucket in layout.buckets]
+        # Members of coalesced buckets: each slot's, and where each member's chunk starts in
+        # its bucket's rows (by member index); the staging buffer members may go through.
+        self._part_of: dict[int, BucketLayout] = {}
+        self._columns: dict[int, int] = {}
+        for bucket in layout.buckets:
+            column = 0
+            for part in bucket.parts():
+                self._part_of.update((slot, part) for slot in part.slots)
+                self._columns[part.index] = column
+                column += part.chunk_numel
+        self._staging: torch.Tensor | None = None
         # With gradients in place (``start_in_place``): one buffer of every bucket, laid out
         # as ``layout``, instead of the pool, and each parameter's place in it (None until
         # the first backward, or after ``drop_buffers``).
@@ -363,19 +374,50 @@ class ShardGradients:
         if bucket.buffer is None:
             bucket.buffer = self._acquire(bucket)
         unwritten = self._unwritten[bucket.index]
-        places, firsts, later = [], [], []
+        firsts, later = [], []
         for slot, grad in grads:
             if slot in unwritten:
                 unwritten.discard(slot)
-                for place, piece in self._pieces(bucket.buffer, slot, grad):
-                    places.append(place)
-                    firsts.append(piece)
+                firsts.append((slot, grad))
             else:  # a slot's second gradient (reached twice: reentrant checkpoints)
                 later.append((slot, grad))
-        if places:
-            _put_all(places, firsts, self.pre)
+        part = self._staged_part(bucket, firsts)
+        if part is not None:
+            # Written as the member lies in the flat layout, then moved to its rows at once.
+            staging = self._staging_for(part)
+            places = [
+                staging[place.offset - part.start : place.offset - part.start + place.numel]
+                for place in (self.layout.slots[slot] for slot, _ in firsts)
+            ]
+            _put_all(places, [grad for _, grad in firsts], self.pre)
+            rows = bucket.buffer.view(self.layout.world_size, -1)
+            column = self._columns[part.index]
+            rows[:, column : column + part.chunk_numel].copy_(staging.view(rows.shape[0], -1))
+        elif firsts:
+            pieces = [p for slot, grad in firsts for p in self._pieces(bucket.buffer, slot, grad)]
+            _put_all([place for place, _ in pieces], [piece for _, piece in pieces], self.pre)
         for slot, grad in later:
             self.write(bucket, slot, grad)
+
+    def _staged_part(self, bucket: Bucket, firsts: list) -> BucketLayout | None:
+        """The member of a coalesced bucket that ``firsts`` fill whole, when writing it through
+        the staging buffer beats writing it in pieces: over more than 2 ranks a parameter is
+        cut at every chunk boundary it spans, up to one piece per rank, where staged it is
+        one place in the member's flat order and the member one strided copy into the
+        buffer's rows (any other write goes in pieces: a strided copy of a member written in
+        part would overwrite what the rest of it holds)."""
+        if self.layout.world_size <= 2 or not firsts or len(bucket.layout.parts()) == 1:
+            return None
+        part = self._part_of[firsts[0][0]]
+        if len(firsts) != len(part.slots):
+            return None
+        return part
+
+    def _staging_for(self, part: BucketLayout) -> torch.Tensor:
+        """A buffer of ``part``'s size (the largest member's, kept for the next)."""
+        if self._staging is None or self._staging.numel() < part.numel:
+            self._staging = torch.empty(part.numel, dtype=self.comm_dtype, device=self.device)
+        return self._staging[: part.numel]
 
     def buffer_for(self, bucket: Bucket) -> torch.Tensor:
         if self._in_place:  # zeroed before the backward: unwritten places and padding too
@@ -500,7 +542,8 @@ class ShardGradients:
     def buffer_bytes(self) -> int:
         itemsize = torch.empty((), dtype=self.comm_dtype).element_size()
         flat = self._in_place_flat.numel() if self._in_place_flat is not None else 0
-        return (self._allocated * self._buffer_numel + flat) * itemsize
+        staging = self._staging.numel() if self._staging is not None else 0
+        return (self._allocated * self._buffer_numel + flat + staging) * itemsize
 
     def device_tensors(self) -> list[torch.Tensor]:
         """The gradient shard where training runs (``offload_states``' lp_grads)."""
@@ -512,3 +555,4 @@ class ShardGradients:
         self._allocated -= len(self._free)  # one a raised backward never gave back stays counted
         self._free.clear()
         self._in_place_flat = self._places = None  # the next backward in place allocates it
+        self._staging = None

@@ -232,9 +232,9 @@ def coalesce(layout: FlatLayout, bucket_numel: int) -> FlatLayout:
     launch and a delivery per unit; merged, one reduce-scatter takes ``reduce_bucket_size``
     worth of them (DeepSpeed's gradient bucket at stage 3). Flat offsets and shard positions
     are the same as ``layout``'s (a rank's chunks of the members are consecutive in its
-    shard); only buckets spread over every rank (stride 1) merge."""
-    if bucket_numel <= 0:
-        raise ValueError(f"reduce_bucket_size must be positive, got {bucket_numel}")
+    shard), but a merged bucket's ``chunk`` is a place in its buffer, not a flat range: what
+    addresses parameters (the optimizer, the parameter store) keeps ``layout``. Only buckets
+    spread over every rank (stride 1) merge; a size below every bucket (0) merges none."""
     runs: list[list[BucketLayout]] = []
     for bucket in layout.buckets:
         run = runs[-1] if runs else None
