@@ -982,11 +982,10 @@ def check_coalesced_reductions(reduce_bucket_size: int, zero: dict, gas: int) ->
     }
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize(
-    "zero, gas",
-    [({}, 1), ({"overlap_comm": False}, 1), ({}, 2)],
-    ids=["overlap", "no overlap", "accumulation"],
+    "world_size, zero, gas",
+    [(2, {}, 1), (3, {}, 1), (3, {"overlap_comm": False}, 1), (3, {}, 2)],
+    ids=["2 ranks", "3 ranks", "3 ranks, no overlap", "3 ranks, accumulation"],
 )
 def test_gradients_reduced_in_runs_of_units_equal_one_collective_per_unit(
     ranks, world_size, zero, gas
