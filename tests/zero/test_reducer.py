@@ -254,13 +254,17 @@ def test_stage_2_in_place_reduces_every_backward_into_the_shard():
     assert storage.shard.tolist() == [111.0] * 4 + [22.0] * 4 + [6.0] * 4
 
 
-def test_a_bucket_waiting_for_a_gradient_holds_back_the_ones_after_it_and_says_so():
+@pytest.mark.parametrize("released", [False, True], ids=["whole", "released at stage 3"])
+def test_a_bucket_waiting_for_a_gradient_holds_back_the_ones_after_it_and_says_so(released):
     """Buckets reduce in order on every rank. When the first in order waits for a gradient
     that backward never computes (an unused parameter), the complete ones after it keep
     their buffers past the pool's four, up to the whole gradient: the engine says which
-    bucket waits and for what, once; the reductions are still right."""
+    bucket waits and for what, once (a stage-3 parameter by its full shape, released or
+    not); the reductions are still right."""
     params = [torch.nn.Parameter(torch.ones(4)) for _ in range(10)]
-    params[0] = torch.nn.Parameter(torch.ones(2, 2))
+    params[0] = torch.nn.Parameter(torch.empty(0) if released else torch.ones(2, 2))
+    if released:
+        params[0].ds_shape = torch.Size([2, 2])
     layout = build_layout([4] * 10, bucket_numel=4, world_size=1)  # a bucket per parameter
     storage = ShardGradients(layout, 0, dtype=torch.float32, comm_dtype=torch.float32, device="cpu")
     reducer = GradReducer(params, layout, storage, _Recorded(), overlap=False)

@@ -260,7 +260,8 @@ class GradReducer:
         )
 
     def _named(self, slot: int) -> str:
-        shape = tuple(self.params[slot].shape)
+        param = self.params[slot]
+        shape = tuple(getattr(param, "ds_shape", param.shape))  # stage 3's: while released
         if self.names is None:
             return f"of shape {shape}"
         return f"'{self.names[slot]}' (shape {shape})"
