@@ -274,16 +274,10 @@ class ShardGradients:
             layout.buckets[s.bucket].places(s.offset, s.numel) for s in layout.slots
         ]
         self._padding = [_padding(layout, bucket) for bucket in layout.buckets]
-        # Members of coalesced buckets: each slot's, and where each member's chunk starts in
-        # its bucket's rows (by member index); the staging buffer members may go through.
-        self._part_of: dict[int, BucketLayout] = {}
-        self._columns: dict[int, int] = {}
-        for bucket in layout.buckets:
-            column = 0
-            for part in bucket.parts():
-                self._part_of.update((slot, part) for slot in part.slots)
-                self._columns[part.index] = column
-                column += part.chunk_numel
+        # Each slot's part of its bucket, where each bucket's parts start in its rows, and the
+        # staging buffer members of coalesced buckets may go through.
+        self._part_of = layout.slot_parts()
+        self._columns = [bucket.columns() for bucket in layout.buckets]
         self._staging: torch.Tensor | None = None
         # With gradients in place (``start_in_place``): one buffer of every bucket, laid out
         # as ``layout``, instead of the pool, and each parameter's place in it (None until
@@ -381,9 +375,10 @@ class ShardGradients:
                 firsts.append((slot, grad))
             else:  # a slot's second gradient (reached twice: reentrant checkpoints)
                 later.append((slot, grad))
-        part = self._staged_part(bucket, firsts)
-        if part is not None:
+        index = self._staged_part(bucket, firsts)
+        if index is not None:
             # Written as the member lies in the flat layout, then moved to its rows at once.
+            part = bucket.layout.parts()[index]
             staging = self._staging_for(part)
             places = [
                 staging[place.offset - part.start : place.offset - part.start + place.numel]
@@ -391,7 +386,7 @@ class ShardGradients:
             ]
             _put_all(places, [grad for _, grad in firsts], self.pre)
             rows = bucket.buffer.view(self.layout.world_size, -1)
-            column = self._columns[part.index]
+            column = self._columns[bucket.index][index]
             rows[:, column : column + part.chunk_numel].copy_(staging.view(rows.shape[0], -1))
         elif firsts:
             pieces = [p for slot, grad in firsts for p in self._pieces(bucket.buffer, slot, grad)]
@@ -399,19 +394,18 @@ class ShardGradients:
         for slot, grad in later:
             self.write(bucket, slot, grad)
 
-    def _staged_part(self, bucket: Bucket, firsts: list) -> BucketLayout | None:
-        """The member of a coalesced bucket that ``firsts`` fill whole, when writing it through
+    def _staged_part(self, bucket: Bucket, firsts: list) -> int | None:
+        """Which member of a coalesced bucket ``firsts`` fill whole, when writing it through
         the staging buffer beats writing it in pieces: over more than 2 ranks a parameter is
         cut at every chunk boundary it spans, up to one piece per rank, where staged it is
         one place in the member's flat order and the member one strided copy into the
         buffer's rows (any other write goes in pieces: a strided copy of a member written in
         part would overwrite what the rest of it holds)."""
-        if self.layout.world_size <= 2 or not firsts or len(bucket.layout.parts()) == 1:
+        parts = bucket.layout.parts()
+        if self.layout.world_size <= 2 or not firsts or len(parts) == 1:
             return None
-        part = self._part_of[firsts[0][0]]
-        if len(firsts) != len(part.slots):
-            return None
-        return part
+        index = self._part_of[firsts[0][0]]
+        return index if len(firsts) == len(parts[index].slots) else None
 
     def _staging_for(self, part: BucketLayout) -> torch.Tensor:
         """A buffer of ``part``'s size (the largest member's, kept for the next)."""

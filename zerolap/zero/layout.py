@@ -80,6 +80,14 @@ class BucketLayout:
         """The buckets whose elements this one holds: its members, or itself."""
         return self.members or (self,)
 
+    def columns(self) -> list[int]:
+        """Per part, where its chunk starts within each rank's row of the buffer."""
+        starts, column = [], 0
+        for part in self.parts():
+            starts.append(column)
+            column += part.chunk_numel
+        return starts
+
     def places(self, offset: int, numel: int) -> list[tuple[int, int, int]]:
         """Where flat elements ``[offset, offset + numel)`` of one member go in this bucket's
         buffer, as ``(buffer position, position among the elements, count)`` pieces.
@@ -90,11 +98,10 @@ class BucketLayout:
         at = offset - self.start
         if len(self.members) <= 1 or self.world_size == 1:
             return [(at, 0, numel)]
-        column = 0  # where the member's chunk starts within each rank's row
-        for member in self.members:
-            if member.start <= offset < member.end:
-                break
-            column += member.chunk_numel
+        if not numel:
+            return []
+        index = next(i for i, m in enumerate(self.members) if m.start <= offset < m.end)
+        member, column = self.members[index], self.columns()[index]
         chunk, row = member.chunk_numel, self.chunk_numel
         pieces, done, i = [], 0, offset - member.start
         while done < numel:
@@ -130,6 +137,15 @@ class FlatLayout:
     @property
     def shard_numel(self) -> int:
         return sum(b.chunk_numel for b in self.buckets)
+
+    def slot_parts(self) -> list[int]:
+        """Per slot, its part's position in its bucket's ``parts()``."""
+        position = [0] * len(self.slots)
+        for bucket in self.buckets:
+            for i, part in enumerate(bucket.parts()):
+                for slot in part.slots:
+                    position[slot] = i
+        return position
 
     def prefix(self, buckets: int) -> FlatLayout:
         """The first ``buckets`` buckets and their parameters: the same flat offsets and shard

@@ -102,11 +102,7 @@ class GradReducer:
         # there while backward goes on).
         self.on_delivered: list[Callable[[int], None]] = []
         self._got_grad = [False] * len(params)
-        self._part_of = [0] * len(params)  # per slot, its part of its bucket (``batched``)
-        for bucket in layout.buckets:
-            for part, member in enumerate(bucket.parts()):
-                for slot in member.slots:
-                    self._part_of[slot] = part
+        self._part_of = layout.slot_parts()  # per slot, its part of its bucket (``batched``)
         self._said_held_back = False
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(slot))
